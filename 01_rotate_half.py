@@ -1,0 +1,352 @@
+"""
+Rotate-half: a first Triton kernel, and why RoPE built on it is slow
+=====================================================================
+
+In this tutorial, you will learn about:
+
+* ``rotate_half``, the piece of RoPE that pairs each channel with a partner and negates one of
+  the two: rotate-half (``[-x2, x1]``, GPT-NeoX/LLaMA/TransformerEngine) or rotate-pairs
+  (``[-x1, x0, -x3, x2, ...]``, RoFormer/GPT-J);
+* the per-element kernel a first-time Triton user writes (one lane, one output element, one
+  partner index), and what it costs: at tiny sizes the launch, at large ones the gathers;
+* a row-wise kernel that loads both halves of a row once and stores both: the bridge to 02;
+* RoPE built as ``t*cos + rotate_half(t)*sin`` on top of the kernel, differentiable because
+  rotate-half is linear (its transpose is ``-rotate_half``), and the memory traffic of that
+  three-passes-and-more formula, which 02 removes.
+
+Run ``python 01_rotate_half.py``: it checks itself against PyTorch, then benchmarks.
+This file imports only torch and triton: copy it alone into your project.
+"""
+
+# %%
+# Setup
+# -----
+# With no GPU, run the kernels through Triton's interpreter (numpy on the CPU). The variable has
+# to be set before triton is imported.
+import argparse
+import datetime
+import os
+import platform
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton
+import triton.language as tl
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# %%
+# The PyTorch reference
+# ---------------------
+# TransformerEngine's ``_rotate_half``: split the last dim into halves (x1, x2) and return
+# (-x2, x1); the interleaved form pairs neighbours instead. Either way R is a linear map with
+# R^T = -R (a quarter turn of every pair), which is all the backward below needs.
+
+
+def rotate_half_torch(x, interleaved=False):
+    """x: [..., d], d even -> R(x), the same shape."""
+    if interleaved:
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+# %%
+# Kernel 1: one lane per output element
+# -------------------------------------
+# The natural first kernel: a 1-D grid over all elements; each lane finds its row and column,
+# computes where its partner lives, loads that one element and stores it (negated when the
+# lane's column is the first of its pair). Inputs are seen as a 2-D [rows, d] view with strides.
+# Every lane does an integer division and a modulo, and its load is a gather from the other
+# half: correct, simple, and a reference point for the two costs the next kernels remove.
+# The negation happens in float32 for 16-bit inputs, like all arithmetic in this collection's
+# kernels (it is exact either way; Triton 3.9's CPU interpreter gets bf16 negation wrong).
+# float64 stays float64, so torch.autograd.gradcheck can check the backward.
+
+
+@triton.jit
+def rotate_half_naive_kernel(x_ptr, y_ptr, n_elements, n_cols, stride_xr, stride_xc,
+                             INTERLEAVED: tl.constexpr, TRANSPOSE: tl.constexpr, UPCAST: tl.constexpr,
+                             BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elements
+    row, col = offs // n_cols, offs % n_cols
+    if INTERLEAVED:
+        first = col % 2 == 0  # pairs (2i, 2i + 1)
+        partner = col ^ 1
+    else:
+        first = col < n_cols // 2  # pairs (i, i + d/2)
+        partner = tl.where(first, col + n_cols // 2, col - n_cols // 2)
+    x = tl.load(x_ptr + row * stride_xr + partner * stride_xc, mask=mask)
+    if UPCAST:  # 16-bit inputs: arithmetic in float32
+        x = x.to(tl.float32)
+    negate = first != TRANSPOSE  # R puts the minus on the first of a pair, R^T on the second
+    tl.store(y_ptr + offs, tl.where(negate, -x, x).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_rows(x, name="x"):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0 or x.shape[-1] % 2:
+        raise ValueError(f"{name}'s last dim must be even (channels come in pairs), got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    return x.reshape(-1, x.shape[-1])  # a view whenever the leading dims allow one
+
+
+def rotate_half(x, interleaved=False, transpose=False):
+    """R(x) (or R^T(x) = -R(x) with transpose=True) with the per-element kernel. x: [..., d]."""
+    rows = _as_rows(x)
+    y = torch.empty(rows.shape, device=x.device, dtype=x.dtype)
+    if y.numel():
+        grid = (triton.cdiv(y.numel(), 1024),)
+        rotate_half_naive_kernel[grid](rows, y, y.numel(), rows.shape[1], rows.stride(0), rows.stride(1),
+                                       INTERLEAVED=interleaved, TRANSPOSE=transpose,
+                                       UPCAST=x.element_size() < 4, BLOCK=1024)
+    return y.view(x.shape)
+
+
+# %%
+# Kernel 2: one program per block of rows
+# ---------------------------------------
+# Give each program whole rows instead: load the first half and the second half once (each a
+# contiguous, vectorisable load), store (-x2, x1). No division, no gather. For interleaved pairs,
+# load the row contiguously and split it into even and odd channels in registers. This
+# "both halves of a head in one program" structure is what 02's RoPE kernel is built on.
+
+
+@triton.jit
+def rotate_half_rows_kernel(x_ptr, y_ptr, n_rows, half, stride_xr, stride_xc,
+                            INTERLEAVED: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr,
+                            HALF: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xr
+    y_rows = y_ptr + rows.to(tl.int64)[:, None] * (2 * half)  # y is contiguous
+    if INTERLEAVED:
+        c = tl.arange(0, 2 * HALF)[None, :]
+        mask = (rows[:, None] < n_rows) & (c < 2 * half)
+        x = tl.load(x_rows + c * stride_xc, mask=mask)
+        if UPCAST:
+            x = x.to(tl.float32)
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_R, HALF, 2)))
+        y = tl.reshape(tl.join(-x_odd, x_even), (BLOCK_R, 2 * HALF))
+        tl.store(y_rows + c, y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        c = tl.arange(0, HALF)[None, :]
+        mask = (rows[:, None] < n_rows) & (c < half)
+        x1 = tl.load(x_rows + c * stride_xc, mask=mask)
+        x2 = tl.load(x_rows + (c + half) * stride_xc, mask=mask)
+        if UPCAST:
+            x2 = x2.to(tl.float32)
+        tl.store(y_rows + c, (-x2).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_rows + c + half, x1, mask=mask)
+
+
+def rotate_half_rows(x, interleaved=False):
+    """R(x) with the row-wise kernel. x: [..., d], d even."""
+    rows = _as_rows(x)
+    y = torch.empty(rows.shape, device=x.device, dtype=x.dtype)
+    half = rows.shape[1] // 2
+    HALF = triton.next_power_of_2(max(half, 1))
+    BLOCK_R = max(1, 2048 // HALF)
+    if y.numel():
+        rotate_half_rows_kernel[(triton.cdiv(rows.shape[0], BLOCK_R),)](
+            rows, y, rows.shape[0], half, rows.stride(0), rows.stride(1),
+            INTERLEAVED=interleaved, UPCAST=x.element_size() < 4, BLOCK_R=BLOCK_R, HALF=HALF)
+    return y.view(x.shape)
+
+
+# %%
+# RoPE on top of the kernel
+# -------------------------
+# y = t*cos + R(t)*sin, with R the Triton kernel. R is linear, so its backward is its transpose,
+# R^T = -R: the kernel's TRANSPOSE flag moves the minus sign instead of paying a negation pass.
+# The rest is eager PyTorch, and that is the lesson: each operator is a pass over memory.
+#
+# Memory traffic, counting elements of t (N of them; cos and sin broadcast and are small):
+#   t*cos        reads N, writes N
+#   R(t)         reads N, writes N
+#   R(t)*sin     reads N, writes N
+#   sum          reads 2N, writes N
+#   = 5N read + 4N written = 9N, plus a concatenation (2N more) when only d2 < d channels rotate.
+# A single fused pass reads N and writes N: 2N. 02 builds that kernel; the most it can gain here
+# is ~4.5x, and the benchmark below measures how much of it eager actually loses.
+
+
+class RotateHalf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, interleaved):
+        ctx.interleaved = interleaved
+        return rotate_half(x, interleaved)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return rotate_half(grad_out.contiguous(), ctx.interleaved, transpose=True), None
+
+
+def apply_rope_naive(t, freqs, tensor_format="sbhd", interleaved=False):
+    """RoPE as t*cos + rotate_half(t)*sin, differentiable with respect to t.
+
+    t: [s, b, h, d] (sbhd) | [b, s, h, d] (bshd). freqs: float32 [s2, 1, 1, d2], s2 >= s, d2 even,
+    d2 <= d; channels d2: pass through. Positions start at 0 (02 adds thd and start_positions).
+    """
+    if tensor_format not in ("sbhd", "bshd"):
+        raise ValueError(f"tensor_format must be 'sbhd' or 'bshd' here (02 adds 'thd'), got {tensor_format!r}")
+    if not isinstance(t, torch.Tensor) or t.dim() != 4:
+        raise ValueError(f"t must be a 4-D tensor [s, b, h, d] or [b, s, h, d], got {getattr(t, 'shape', t)}")
+    if not isinstance(freqs, torch.Tensor) or freqs.dtype != torch.float32 or freqs.dim() != 4:
+        raise TypeError("freqs must be a float32 tensor [s2, 1, 1, d2]")
+    seqlen, d2 = t.shape[0 if tensor_format == "sbhd" else 1], freqs.shape[-1]
+    if seqlen > freqs.shape[0]:
+        raise ValueError(f"sequence length {seqlen} is over the {freqs.shape[0]} rows of freqs")
+    if d2 % 2 or not 2 <= d2 <= t.shape[-1]:
+        raise ValueError(f"freqs' last dim d2 = {d2} must be even and at most the head dim {t.shape[-1]}")
+    angles = freqs[:seqlen] if tensor_format == "sbhd" else freqs[:seqlen].transpose(0, 1)
+    cos, sin = angles.cos().to(t.dtype), angles.sin().to(t.dtype)
+    x = t[..., :d2]
+    y = x * cos + RotateHalf.apply(x, interleaved) * sin
+    return y if d2 == t.shape[-1] else torch.cat((y, t[..., d2:]), dim=-1)
+
+
+# %%
+# Unit test
+# ---------
+# Irregular shapes (odd row counts, a strided view, d = 80), both pairings, three dtypes.
+
+
+def self_check():
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for interleaved in (False, True):
+            x = torch.randn(7, 3, 5, 2 * 80, device=DEVICE, dtype=dtype)[..., ::2]  # strided view, d=80
+            expected = rotate_half_torch(x, interleaved)
+            assert torch.equal(rotate_half(x, interleaved), expected)
+            assert torch.equal(rotate_half_rows(x, interleaved), expected)
+            assert torch.equal(rotate_half(x, interleaved, transpose=True), -expected)
+    t = torch.randn(5, 2, 1, 12, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    freqs = torch.randn(6, 1, 1, 8, device=DEVICE)  # partial rotary: 8 of 12 channels
+    assert torch.autograd.gradcheck(lambda t: apply_rope_naive(t, freqs, "sbhd", True), (t,))
+    print(f"self-check passed: naive and row kernels equal PyTorch bit for bit; apply_rope_naive "
+          f"passes gradcheck (device: {DEVICE.type})")
+
+
+# %%
+# Benchmark
+# ---------
+# 1. A tiny (2, 1, 2, 4) tensor: the work is nothing, so the time is the launch. Host time per
+#    call (what a Python loop pays) and GPU time (do_bench) for PyTorch and both kernels.
+# 2. Growing [s, 1, 32, 128] bf16 tensors: GB/s (one read and one write of x) of PyTorch, the
+#    naive kernel and the row kernel, against a device-to-device copy of the same bytes.
+# 3. The RoPE built on the kernel: its time against the copy, i.e. against one fused pass.
+
+
+def _time_ms(fn):
+    if DEVICE.type == "cuda":
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _host_us_per_call(fn, calls=200):
+    fn()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def benchmark():
+    lines = []
+
+    def report(line):
+        print(line)
+        lines.append(line)
+
+    if DEVICE.type != "cuda":
+        print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
+              "show that the benchmark runs; they say nothing about speed.")
+    tiny = torch.randn(2, 1, 2, 4, device=DEVICE)
+    report("\n1. tiny (2, 1, 2, 4) float32: the launch is the whole cost\n")
+    report("| provider | host us / call | GPU us (do_bench) |\n|---|---|---|")
+    for name, fn in {"torch rotate_half": lambda: rotate_half_torch(tiny),
+                     "triton naive": lambda: rotate_half(tiny),
+                     "triton rows": lambda: rotate_half_rows(tiny)}.items():
+        report(f"| {name} | {_host_us_per_call(fn, 200 if DEVICE.type == 'cuda' else 3):.1f} | {_time_ms(fn) * 1e3:.1f} |")
+
+    seqlens = [2 ** k for k in range(6, 15)] if DEVICE.type == "cuda" else [4, 16]
+    curves = {name: [] for name in ("copy", "torch rotate_half", "triton naive", "triton rows")}
+    report("\n2. rotate_half on [s, 1, 32, 128] bf16: GB/s (read + write of x)\n")
+    report("| s | MB moved | " + " | ".join(curves) + " |\n|---|---|" + "---|" * len(curves))
+    for s in seqlens:
+        x = torch.randn(s, 1, 32, 128, device=DEVICE, dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        gbytes = 2 * x.numel() * x.element_size() / 1e9
+        fns = {"copy": lambda: out.copy_(x), "torch rotate_half": lambda: rotate_half_torch(x),
+               "triton naive": lambda: rotate_half(x), "triton rows": lambda: rotate_half_rows(x)}
+        for name, fn in fns.items():
+            curves[name].append(gbytes / (_time_ms(fn) * 1e-3))
+        report(f"| {s} | {gbytes * 1e3:.1f} | " + " | ".join(f"{curves[n][-1]:.0f}" for n in curves) + " |")
+
+    b, s, h, d = (4, 4096, 32, 128) if DEVICE.type == "cuda" else (1, 16, 2, 64)
+    t = torch.randn(s, b, h, d, device=DEVICE, dtype=torch.bfloat16)
+    freqs = torch.randn(s, 1, 1, d, device=DEVICE)
+    out = torch.empty_like(t)
+    copy_ms, naive_ms = _time_ms(lambda: out.copy_(t)), _time_ms(lambda: apply_rope_naive(t, freqs))
+    report(f"\n3. apply_rope_naive on sbhd {(s, b, h, d)} bf16: traffic 9N elements vs 2N for one fused pass "
+           f"(N = {t.numel() / 1e6:.0f}M)\n")
+    report(f"copy of t: {copy_ms * 1e3:.0f} us; apply_rope_naive: {naive_ms * 1e3:.0f} us = "
+           f"{naive_ms / copy_ms:.1f}x the copy (the traffic count predicts 4.5x)")
+    return lines, seqlens, curves
+
+
+def environment():
+    gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "none (Triton interpreter)"
+    return (f"device: {gpu}; date: {datetime.date.today()}; torch {torch.__version__}; "
+            f"triton {triton.__version__}; python {platform.python_version()}")
+
+
+def save_results(lines, seqlens, curves, results_dir):
+    os.makedirs(results_dir, exist_ok=True)
+    with open(os.path.join(results_dir, "01_rotate_half.md"), "w") as f:
+        f.write("# rotate_half: naive per-element kernel, row kernel, PyTorch\n\n" + environment()
+                + "\n\nTimes are medians of `triton.testing.do_bench`. Raw log: `01_rotate_half.log`.\n"
+                + "\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, gbps in curves.items():
+        ax.plot([s * 32 * 128 * 2 * 2 / 1e6 for s in seqlens], gbps, marker="o", label=name,
+                ls="--" if name == "copy" else "-")
+    ax.set_xscale("log")
+    ax.set_xlabel("MB moved (read + write)")
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"rotate_half, [s, 1, 32, 128] bf16 ({torch.cuda.get_device_name()})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(results_dir, "01_rotate_half.png"), dpi=120)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="rotate_half: naive and row-wise Triton kernels")
+    parser.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                        help="folder for the table and plot (written only on a GPU)")
+    args = parser.parse_args()
+    print(environment())
+    self_check()
+    results = benchmark()
+    if DEVICE.type == "cuda":
+        save_results(*results, args.results)

@@ -1,0 +1,617 @@
+"""
+RoPE forward in one pass over memory
+====================================
+
+In this tutorial, you will learn about:
+
+* TransformerEngine's RoPE semantics, which every later step of this collection shares: the
+  ``sbhd`` / ``bshd`` / ``thd`` layouts, partial rotary (``d2 < d``), rotate-half and interleaved
+  pairs, arbitrary per-channel angles, and ``start_positions`` for KV-cache decoding;
+* why the eager formula moves about 4.5x the bytes it needs, and a kernel that reads each input
+  element once and writes each output element once;
+* a kernel that takes any strides (a slice of a packed qkv tensor, a transposed view) without
+  copying, 64-bit offsets, head dims up to 256 (80 and 96 too) and any number of heads;
+* rotating q and k (k with fewer heads, as in grouped-query attention) in a single launch;
+* checking values that live on the GPU (``cu_seqlens``) without a host sync on every call;
+* measuring a memory-bound kernel against the copy bandwidth of the same GPU, in the same run.
+
+Run ``python 02_rope_fwd.py``: it checks itself against the PyTorch reference, then benchmarks.
+This file imports only torch and triton: copy it alone into your project.
+"""
+
+# %%
+# Setup
+# -----
+# With no GPU, run the kernels through Triton's interpreter (numpy on the CPU). The variable has
+# to be set before triton is imported.
+import argparse
+import datetime
+import importlib.util
+import os
+import platform
+import time
+import weakref
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton
+import triton.language as tl
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TENSOR_FORMATS = ("sbhd", "bshd", "thd")
+MAX_HEAD_DIM = 256
+
+# %%
+# The math and the PyTorch reference
+# ----------------------------------
+# RoPE rotates each pair of channels (x_a, x_b) of a head by an angle that grows with the token's
+# position. TransformerEngine writes it element by element, for any angle table f[pos, :d2]:
+#
+#     y = x * cos(f) + R(x) * sin(f)          on the first d2 channels; y = x on the rest
+#
+# where R pairs channel a with its partner b and negates the first of the two:
+#
+#     rotate-half (GPT-NeoX, LLaMA, TE's default):  a = i,    b = i + d2/2   (i < d2/2)
+#     interleaved (RoFormer, GPT-J):                a = 2i,   b = 2i + 1
+#
+#     y_a = x_a * cos(f_a) - x_b * sin(f_a)
+#     y_b = x_b * cos(f_b) + x_a * sin(f_b)
+#
+# Models build f with its two halves (or both members of a pair) equal, which makes this a true
+# rotation; the formula above does not assume it, and neither does the kernel: f_a and f_b are
+# loaded separately, so any float32 table works.
+
+
+def rope_freqs(max_seq_len, rotary_dim, base=10000.0, interleaved=False, device=None):
+    """Angle table f[pos, 0, 0, c] = pos * base**(-2*(c//2 or c mod d2/2)/d2), float32.
+
+    Returns ``[max_seq_len, 1, 1, rotary_dim]``, laid out as TE's ``RotaryPositionEmbedding``:
+    the d2/2 inverse frequencies repeated as two halves (rotate-half) or as pairs (interleaved).
+    """
+    inv_freq = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
+    angles = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), dim=-1)
+    return angles.view(max_seq_len, 1, 1, rotary_dim)
+
+
+def _token_positions(t, tensor_format, cu_seqlens, start_positions):
+    """Position of every token, shaped to broadcast against t[..., 0, 0]."""
+    if tensor_format == "thd":
+        tokens = torch.arange(t.shape[0], device=t.device)
+        seq = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
+        pos = tokens - cu_seqlens.long()[seq]
+        return pos + (start_positions.long()[seq] if start_positions is not None else 0)
+    s_dim = 0 if tensor_format == "sbhd" else 1
+    pos = torch.arange(t.shape[s_dim], device=t.device)
+    if start_positions is None:
+        return pos.view(-1, 1) if s_dim == 0 else pos.view(1, -1)
+    start = start_positions.long()
+    return pos[:, None] + start[None, :] if s_dim == 0 else start[:, None] + pos[None, :]
+
+
+def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
+                   start_positions=None, compute_dtype=torch.float32):
+    """Plain PyTorch RoPE: the oracle for the tests.
+
+    Same arguments and shapes as ``rope_fwd``. Computes in ``compute_dtype`` (float32: one
+    rounding, like the kernel); ``compute_dtype=None`` multiplies in t's dtype, which is exactly
+    TransformerEngine's unfused formula (cos/sin in float32, then cast).
+    """
+    d2 = freqs.shape[-1]
+    pos = _token_positions(t, tensor_format, cu_seqlens, start_positions)
+    angles = freqs.reshape(freqs.shape[0], d2)[pos].unsqueeze(-2)  # [..., 1, d2]: one row per token
+    dtype = compute_dtype or t.dtype
+    x, x_pass = t[..., :d2].to(dtype), t[..., d2:]
+    if interleaved:
+        x_rot = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+        x_rot = torch.cat((-x2, x1), dim=-1)
+    y = x * angles.cos().to(dtype) + x_rot * angles.sin().to(dtype)
+    return torch.cat((y.to(t.dtype), x_pass), dim=-1)
+
+
+# %%
+# Memory traffic
+# --------------
+# For N elements of q and k, the least any implementation can move is one read and one write of
+# each: 2N elements (the angle table, s2 x d2 floats, is tiny and stays in L2). The eager formula
+# moves x*cos (N read, N written), R(x) (N, N), R(x)*sin (N, N) and the sum (2N, N): 9N, plus a
+# concatenation when d2 < d. One fused kernel can therefore be up to ~4.5x faster than eager, and
+# the right yardstick for it is a plain device-to-device copy of the same bytes: a copy also reads
+# N and writes N, and nothing that must do so can beat it. The benchmark counts exactly those
+# 2N elements of traffic (never the angle table) and reports the fraction of the copy's speed.
+#
+# The kernel
+# ----------
+# One program takes BLOCK_S consecutive tokens of one sequence and *all* heads of q and of k.
+# It loads the angles of its tokens once, takes cos and sin in float32 once, and reuses them for
+# every head of q and k (the angles depend on the position only). Heads are walked BLOCK_H at a
+# time so any head count works, and each tile is read once and written once:
+#
+#     rotate-half: two loads, the halves x[:d2/2] and x[d2/2:d2], each contiguous in memory
+#     interleaved: one contiguous load of x[:d2], split in registers into even and odd channels
+#
+# Pass-through channels (d2 < d) are copied unless the kernel works in place. Every offset is
+# built from the strides in int64, so views and tensors of more than 2**31 elements work. In
+# ``thd`` the batch index selects a sequence through cu_seqlens and the batch stride is zero, so
+# the three layouts share one kernel.
+
+
+@triton.jit
+def _rotate_heads(x_ptr, y_ptr, x_rows, y_rows, stride_xh, stride_xd, stride_yh, stride_yd,
+                  n_heads, head_dim, rot_dim, row_mask, cos_a, sin_a, cos_b, sin_b,
+                  BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+                  PASS: tl.constexpr, INTERLEAVED: tl.constexpr, COPY_PASS: tl.constexpr):
+    """Rotate all heads of one tensor for BLOCK_S tokens. x_rows/y_rows: [BLOCK_S] int64 offsets."""
+    i = tl.arange(0, HALF)
+    for h0 in range(0, n_heads, BLOCK_H):
+        h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+        mask = row_mask[:, None, None] & (h < n_heads)[None, :, None]
+        x_tile = x_ptr + x_rows[:, None, None] + h[None, :, None] * stride_xh
+        y_tile = y_ptr + y_rows[:, None, None] + h[None, :, None] * stride_yh
+        if INTERLEAVED:
+            j = tl.arange(0, 2 * HALF)[None, None, :]
+            m = mask & (j < rot_dim)
+            x = tl.load(x_tile + j * stride_xd, mask=m, other=0.0).to(tl.float32)
+            x_a, x_b = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_H, HALF, 2)))
+            y_a = x_a * cos_a - x_b * sin_a
+            y_b = x_b * cos_b + x_a * sin_b
+            y = tl.reshape(tl.join(y_a, y_b), (BLOCK_S, BLOCK_H, 2 * HALF))
+            tl.store(y_tile + j * stride_yd, y.to(y_ptr.dtype.element_ty), mask=m)
+        else:
+            a = i[None, None, :]
+            b = a + rot_dim // 2
+            m = mask & (a < rot_dim // 2)
+            x_a = tl.load(x_tile + a * stride_xd, mask=m, other=0.0).to(tl.float32)
+            x_b = tl.load(x_tile + b * stride_xd, mask=m, other=0.0).to(tl.float32)
+            y_a = x_a * cos_a - x_b * sin_a
+            y_b = x_b * cos_b + x_a * sin_b
+            tl.store(y_tile + a * stride_yd, y_a.to(y_ptr.dtype.element_ty), mask=m)
+            tl.store(y_tile + b * stride_yd, y_b.to(y_ptr.dtype.element_ty), mask=m)
+        if COPY_PASS:
+            p = rot_dim + tl.arange(0, PASS)[None, None, :]
+            m = mask & (p < head_dim)
+            tl.store(y_tile + p * stride_yd, tl.load(x_tile + p * stride_xd, mask=m), mask=m)
+
+
+@triton.jit
+def rope_fwd_kernel(
+    q_ptr, q_out_ptr, k_ptr, k_out_ptr, freqs_ptr, cu_seqlens_ptr, start_positions_ptr,
+    seqlen, n_q_heads, n_k_heads, head_dim, rot_dim,
+    stride_qb, stride_qs, stride_qh, stride_qd, stride_qob, stride_qos, stride_qoh, stride_qod,
+    stride_kb, stride_ks, stride_kh, stride_kd, stride_kob, stride_kos, stride_koh, stride_kod,
+    stride_fs, stride_fd,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
+    INTERLEAVED: tl.constexpr, IS_THD: tl.constexpr, HAS_START_POSITIONS: tl.constexpr,
+    HAS_K: tl.constexpr, COPY_PASS: tl.constexpr,
+):
+    pid_s = tl.program_id(0)
+    batch = tl.program_id(1)
+    first_token = 0
+    if IS_THD:  # sequence `batch` owns tokens cu_seqlens[batch] .. cu_seqlens[batch + 1] - 1
+        first_token = tl.load(cu_seqlens_ptr + batch)
+        seqlen = tl.load(cu_seqlens_ptr + batch + 1) - first_token
+    if pid_s * BLOCK_S >= seqlen:
+        return
+    s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    row_mask = s < seqlen
+    pos = s
+    if HAS_START_POSITIONS:
+        pos = s + tl.load(start_positions_ptr + batch)
+
+    # Angles for these tokens: loaded and turned into cos/sin once, shared by every q and k head.
+    i = tl.arange(0, HALF)
+    if INTERLEAVED:
+        f_a, f_b = 2 * i, 2 * i + 1
+    else:
+        f_a, f_b = i, i + rot_dim // 2
+    f_mask = row_mask[:, None] & (i < rot_dim // 2)[None, :]
+    f_rows = freqs_ptr + pos.to(tl.int64)[:, None] * stride_fs
+    angle_a = tl.load(f_rows + f_a[None, :] * stride_fd, mask=f_mask, other=0.0)[:, None, :]
+    angle_b = tl.load(f_rows + f_b[None, :] * stride_fd, mask=f_mask, other=0.0)[:, None, :]
+    cos_a, sin_a = tl.cos(angle_a), tl.sin(angle_a)
+    cos_b, sin_b = tl.cos(angle_b), tl.sin(angle_b)
+
+    tokens = (first_token + s).to(tl.int64)  # thd passes batch strides of 0
+    batch = batch.to(tl.int64)
+    _rotate_heads(q_ptr, q_out_ptr, batch * stride_qb + tokens * stride_qs,
+                  batch * stride_qob + tokens * stride_qos, stride_qh, stride_qd, stride_qoh,
+                  stride_qod, n_q_heads, head_dim, rot_dim, row_mask, cos_a, sin_a, cos_b, sin_b,
+                  BLOCK_S, BLOCK_H, HALF, PASS, INTERLEAVED, COPY_PASS)
+    if HAS_K:
+        _rotate_heads(k_ptr, k_out_ptr, batch * stride_kb + tokens * stride_ks,
+                      batch * stride_kob + tokens * stride_kos, stride_kh, stride_kd, stride_koh,
+                      stride_kod, n_k_heads, head_dim, rot_dim, row_mask, cos_a, sin_a, cos_b,
+                      sin_b, BLOCK_S, BLOCK_H, HALF, PASS, INTERLEAVED, COPY_PASS)
+
+
+# %%
+# The wrapper: argument checks, then one launch
+# ---------------------------------------------
+# A bad argument must fail here with a message naming it, never inside the kernel and never as a
+# silently wrong result. Shapes, dtypes and devices are free to check. The *values* of
+# cu_seqlens and start_positions live on the GPU, and reading them costs a host sync that stalls
+# the CPU's run-ahead. q, k and every layer of one batch share those tensors, so the verdict is
+# kept for the last tensors seen (by identity and by version counter, which in-place writes
+# bump): a batch pays for one check, not one per call.
+
+_values_checked = {"key": None, "refs": (), "max_seqlen": None}
+
+
+def _check_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
+    """Check cu_seqlens/start_positions values; return the longest sequence (thd) or seqlen."""
+    tensors = tuple(x for x in (cu_seqlens, start_positions) if x is not None)
+    key = tuple((id(x), x._version) for x in tensors) + (seqlen, n_tokens, max_positions)
+    memo = _values_checked
+    if memo["key"] == key and all(ref() is x for ref, x in zip(memo["refs"], tensors)):
+        return memo["max_seqlen"]
+    if cu_seqlens is not None:
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}...")
+        if cu[-1] != n_tokens:
+            raise ValueError(f"cu_seqlens[-1] = {cu[-1]} must equal the number of tokens of t, {n_tokens}")
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+    else:
+        lengths = [seqlen] * (start_positions.numel() if start_positions is not None else 1)
+    starts = start_positions.tolist() if start_positions is not None else [0] * len(lengths)
+    if min(starts, default=0) < 0:
+        raise ValueError(f"start_positions must be >= 0, got {min(starts)}")
+    needed = max((s + n for s, n in zip(starts, lengths)), default=0)
+    if needed > max_positions:
+        raise ValueError(f"positions up to {needed - 1} are needed (start_positions + sequence length) "
+                         f"but freqs has only {max_positions} rows (s2)")
+    memo.update(key=key, refs=tuple(weakref.ref(x) for x in tensors), max_seqlen=max(lengths, default=0))
+    return memo["max_seqlen"]
+
+
+def _layout(t, tensor_format):
+    """(batch, seqlen, heads, head_dim) and the strides in that order; thd has batch stride 0."""
+    if tensor_format == "sbhd":
+        return (t.shape[1], t.shape[0], t.shape[2], t.shape[3]), (t.stride(1), t.stride(0), t.stride(2), t.stride(3))
+    if tensor_format == "bshd":
+        return tuple(t.shape), tuple(t.stride())
+    return (None, t.shape[0], t.shape[1], t.shape[2]), (0, t.stride(0), t.stride(1), t.stride(2))
+
+
+def _check_tensor(x, name, tensor_format):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+    rank = 3 if tensor_format == "thd" else 4
+    if x.dim() != rank:
+        raise ValueError(f"{name} must have {rank} dims for tensor_format='{tensor_format}', got shape {tuple(x.shape)}")
+
+
+def _check_out(out, x, name):
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"{name} must match the input's shape, dtype and device: got {tuple(out.shape)} "
+                         f"{out.dtype} {out.device}, expected {tuple(x.shape)} {x.dtype} {x.device}")
+    in_place = out.data_ptr() == x.data_ptr() and out.stride() == x.stride()
+    if not in_place and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ValueError(f"{name} shares memory with its input without being the same view; "
+                         "pass the input itself for an in-place update")
+    return in_place
+
+
+def _launch_config(half, n_heads):
+    """Block sizes: ~1k fp32 values per half-tile, so every thread keeps a few 16-byte loads in flight."""
+    block_h = min(triton.next_power_of_2(n_heads), max(1, 1024 // (half * 4)))
+    block_s = max(1, 1024 // (half * block_h))
+    return dict(BLOCK_S=block_s, BLOCK_H=block_h, num_warps=4)
+
+
+def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_positions, config=None):
+    if tensor_format not in TENSOR_FORMATS:
+        raise ValueError(f"tensor_format must be one of {TENSOR_FORMATS}, got {tensor_format!r}")
+    names = ("t",) if len(tensors) == 1 else ("q", "k")
+    for x, name in zip(tensors, names):
+        _check_tensor(x, name, tensor_format)
+    t = tensors[0]
+    if not isinstance(freqs, torch.Tensor):
+        raise TypeError(f"freqs must be a torch.Tensor, got {type(freqs).__name__}")
+    if freqs.dtype != torch.float32:
+        raise TypeError(f"freqs must be float32 angles (cos/sin are taken inside the kernel), got {freqs.dtype}")
+    if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
+        raise ValueError(f"freqs must have shape [s2, 1, 1, d2], got {tuple(freqs.shape)}")
+    (batch, seqlen, _, head_dim), _ = _layout(t, tensor_format)
+    max_positions, rot_dim = freqs.shape[0], freqs.shape[3]
+    if rot_dim % 2 or not 2 <= rot_dim <= head_dim:
+        raise ValueError(f"freqs' last dim d2 = {rot_dim} must be even and between 2 and the head dim {head_dim}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {head_dim} is over the supported {MAX_HEAD_DIM}")
+    for x, name in zip(tensors[1:], names[1:]):
+        (xb, xs, _, xd), _ = _layout(x, tensor_format)
+        if x.dtype != t.dtype or (xb, xs, xd) != (batch, seqlen, head_dim):
+            raise ValueError(f"{name} must match q in dtype and in every dim but heads: got {tuple(x.shape)} "
+                             f"{x.dtype}, q is {tuple(t.shape)} {t.dtype}")
+    extras = [(freqs, "freqs"), (cu_seqlens, "cu_seqlens"), (start_positions, "start_positions")]
+    for x, name in list(zip(tensors, names)) + extras:
+        if isinstance(x, torch.Tensor) and x.device != t.device:
+            raise ValueError(f"{name} is on {x.device} but {names[0]} is on {t.device}")
+    if tensor_format == "thd":
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens is required for tensor_format='thd'")
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32:
+            raise TypeError(f"cu_seqlens must be an int32 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must have shape [b + 1] with b >= 1, got {tuple(cu_seqlens.shape)}")
+        batch = cu_seqlens.numel() - 1
+    elif cu_seqlens is not None:
+        raise ValueError(f"cu_seqlens is only for tensor_format='thd', got tensor_format={tensor_format!r}")
+    elif seqlen > max_positions:
+        raise ValueError(f"sequence length {seqlen} is over the {max_positions} rows (s2) of freqs")
+    if start_positions is not None:
+        if not isinstance(start_positions, torch.Tensor) or start_positions.dtype not in (torch.int32, torch.int64):
+            raise TypeError("start_positions must be an int32 or int64 tensor")
+        if start_positions.shape != (batch,):
+            raise ValueError(f"start_positions must have shape [b] = [{batch}], got {tuple(start_positions.shape)}")
+    if cu_seqlens is not None or start_positions is not None:
+        seqlen = _check_values(cu_seqlens, start_positions, seqlen, t.shape[0], max_positions)
+
+    outs = [torch.empty_like(x) if o is None else o for x, o in zip(tensors, outs)]
+    in_place = [_check_out(o, x, name + "_out" if len(tensors) > 1 else "out")
+                for x, o, name in zip(tensors, outs, names)]
+    if t.numel() == 0 or seqlen == 0:
+        return outs
+
+    half = triton.next_power_of_2(rot_dim // 2)
+    q, k = tensors[0], tensors[-1]
+    q_out, k_out = outs[0], outs[-1]
+    n_heads = [_layout(x, tensor_format)[0][2] for x in (q, k)]
+    strides = [s for x in (q, q_out, k, k_out) for s in _layout(x, tensor_format)[1]]
+    config = config or _launch_config(half, max(n_heads))
+    grid = (triton.cdiv(seqlen, config["BLOCK_S"]), batch)
+    rope_fwd_kernel[grid](
+        q, q_out, k, k_out, freqs,
+        cu_seqlens if cu_seqlens is not None else freqs,
+        start_positions if start_positions is not None else freqs,
+        seqlen, n_heads[0], n_heads[1], head_dim, rot_dim, *strides, freqs.stride(0), freqs.stride(3),
+        HALF=half, PASS=triton.next_power_of_2(max(head_dim - rot_dim, 1)), INTERLEAVED=interleaved,
+        IS_THD=tensor_format == "thd", HAS_START_POSITIONS=start_positions is not None,
+        HAS_K=len(tensors) == 2, COPY_PASS=rot_dim < head_dim and not all(in_place), **config,
+    )
+    return outs
+
+
+def rope_fwd(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
+             start_positions=None, out=None):
+    """Apply RoPE to t in one Triton kernel (TransformerEngine's ``apply_rotary_pos_emb`` forward).
+
+    t: [s, b, h, d] (sbhd) | [b, s, h, d] (bshd) | [total_tokens, h, d] (thd); fp32, fp16 or bf16,
+        any strides, d <= 256.
+    freqs: float32 angles [s2, 1, 1, d2], d2 even, d2 <= d, s2 >= every position used. Only
+        t[..., :d2] is rotated; t[..., d2:] passes through.
+    interleaved: rotate pairs (x0, x1), (x2, x3), ... (RoFormer, GPT-J) instead of halves.
+    cu_seqlens: int32 [b + 1], thd only: sequence i is tokens cu_seqlens[i]:cu_seqlens[i + 1],
+        its positions starting at 0.
+    start_positions: int [b]: sequence i uses angle rows start_positions[i] onwards (KV cache).
+    out: where to write (same shape and dtype as t); ``out=t`` rotates in place.
+    Returns the output tensor.
+    """
+    return _rope([t], [out], freqs, tensor_format, interleaved, cu_seqlens, start_positions)[0]
+
+
+def rope_fwd_qk(q, k, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
+                start_positions=None, q_out=None, k_out=None):
+    """Apply RoPE to q and k in a single launch; k may have fewer heads than q (GQA).
+
+    q: like ``rope_fwd``'s t; k: the same layout, batch, sequence and head dim, any head count.
+    Returns (q_out, k_out); pass ``q_out=q, k_out=k`` to rotate in place.
+    """
+    return tuple(_rope([q, k], [q_out, k_out], freqs, tensor_format, interleaved, cu_seqlens, start_positions))
+
+
+# %%
+# Unit test
+# ---------
+# Irregular shapes (odd sequence lengths and head counts, head dim 80, partial rotary), random
+# angles whose halves differ, strided views: every feature against the reference at once.
+# tests/test_02_rope_fwd.py covers the whole matrix; this is the quick check a reader sees.
+
+
+def self_check():
+    torch.manual_seed(0)
+    b, s, h, d = (3, 37, 5, 80) if DEVICE.type == "cuda" else (2, 7, 3, 80)
+    for dtype in (torch.float32, torch.bfloat16):
+        for fmt in TENSOR_FORMATS:
+            for interleaved in (False, True):
+                qkv = torch.randn(b, s, 3, h, d, device=DEVICE, dtype=dtype)
+                q, k = qkv[:, :, 0], qkv[:, :, 1, :2]  # strided views; k has fewer heads
+                freqs = torch.randn(s + 4, 1, 1, 48, device=DEVICE)  # partial rotary, halves differ
+                start = torch.randint(0, 5, (b,), device=DEVICE)
+                kwargs = dict(tensor_format=fmt, interleaved=interleaved, start_positions=start)
+                if fmt == "sbhd":
+                    q, k = q.transpose(0, 1), k.transpose(0, 1)
+                elif fmt == "thd":
+                    q, k = q.flatten(0, 1), k.flatten(0, 1)
+                    kwargs["cu_seqlens"] = torch.arange(0, b * s + 1, s, dtype=torch.int32, device=DEVICE)
+                q_out, k_out = rope_fwd_qk(q, k, freqs, **kwargs)
+                for x, y in ((q, q_out), (k, k_out)):
+                    torch.testing.assert_close(y, rope_reference(x, freqs, **kwargs))
+    print(f"self-check passed: fp32/bf16 x sbhd/bshd/thd x half/interleaved, d={d}, d2=48, GQA, "
+          f"strided views, start_positions (device: {DEVICE.type})")
+
+
+# %%
+# Benchmark
+# ---------
+# bf16 q and k (k with as many heads as q), the same data in each layout. Every provider's time
+# is the median of triton.testing.do_bench (which flushes L2 between runs); GB/s counts one read
+# and one write of q and k. The yardstick, measured in the same run, is a device-to-device copy
+# of the same number of bytes. Optional rows: 01's naive path when 01_rotate_half.py sits beside
+# this file, Liger-Kernel's and flash-attention's Triton rotary kernels when they are installed.
+
+BENCH_SHAPES = [(4, 4096, 32, 128), (32, 512, 12, 64), (1, 32768, 8, 128)]  # (b, s, h, d)
+CPU_SHAPES = [(2, 64, 4, 64)]
+
+
+def _time_ms(fn):
+    if DEVICE.type == "cuda":
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _load_sibling(filename):
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), filename)
+    if not os.path.exists(path):
+        return None
+    spec = importlib.util.spec_from_file_location(filename[:-3].lstrip("0123456789_"), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _optional_providers():
+    """Liger-Kernel (bshd only: it takes [b, h, s, d] views of bshd memory) and flash-attention."""
+    found = {}
+    try:
+        from liger_kernel.ops.rope import rope_forward as liger_rope
+        found["liger"] = liger_rope
+    except ImportError as e:
+        print(f"(Liger-Kernel not installed, its row is skipped: {e})")
+    try:
+        from flash_attn.ops.triton.rotary import apply_rotary as fa_rotary
+        found["flash-attn"] = fa_rotary
+    except ImportError as e:
+        print(f"(flash-attention's Triton rotary not importable, its row is skipped: {e})")
+    return found
+
+
+def _providers(q, k, freqs, fmt, kwargs, b, s, naive, optional, compiled):
+    """name -> zero-argument function rotating q and k (of b sequences of length s) in layout fmt."""
+    src = torch.randn(q.numel() + k.numel(), device=DEVICE, dtype=q.dtype)
+    dst, q_out, k_out = torch.empty_like(src), torch.empty_like(q), torch.empty_like(k)
+    fns = {
+        "copy": lambda: dst.copy_(src),
+        "triton (ours)": lambda: rope_fwd_qk(q, k, freqs, q_out=q_out, k_out=k_out, **kwargs),
+        "eager": lambda: (rope_reference(q, freqs, compute_dtype=None, **kwargs),
+                          rope_reference(k, freqs, compute_dtype=None, **kwargs)),
+    }
+    if compiled is not None:
+        fns["torch.compile"] = lambda: compiled(q, k, freqs, **kwargs)
+    if naive is not None and fmt != "thd":
+        fns["01 naive"] = lambda: (naive.apply_rope_naive(q, freqs, tensor_format=fmt),
+                                   naive.apply_rope_naive(k, freqs, tensor_format=fmt))
+    angles = freqs[:s, 0, 0]
+    if "liger" in optional and fmt == "bshd":  # Liger takes [b, h, s, d] views and the full table
+        cos, sin = angles.cos().to(q.dtype)[None], angles.sin().to(q.dtype)[None]
+        fns["liger (in place)"] = lambda: optional["liger"](q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    if "flash-attn" in optional:  # flash-attn takes bshd (any strides) or thd, and half tables
+        half = angles[:, : angles.shape[1] // 2]
+        cos, sin = half.cos().to(q.dtype), half.sin().to(q.dtype)
+        as_bshd = (lambda x: x.transpose(0, 1)) if fmt == "sbhd" else (lambda x: x)
+        fa_kwargs = dict(cu_seqlens=kwargs["cu_seqlens"], max_seqlen=s) if fmt == "thd" else {}
+        fns["flash-attn"] = lambda: (optional["flash-attn"](as_bshd(q), cos, sin, **fa_kwargs),
+                                     optional["flash-attn"](as_bshd(k), cos, sin, **fa_kwargs))
+    return fns
+
+
+def benchmark():
+    shapes = BENCH_SHAPES if DEVICE.type == "cuda" else CPU_SHAPES
+    if DEVICE.type != "cuda":
+        print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
+              "show that the benchmark runs; they say nothing about speed.")
+    naive = _load_sibling("01_rotate_half.py")
+    optional, compiled = {}, None
+    if DEVICE.type == "cuda":
+        optional = _optional_providers()
+        torch._dynamo.config.cache_size_limit = 64  # one graph per shape and layout
+
+        def rope_reference_qk(q, k, freqs, **kwargs):
+            return rope_reference(q, freqs, **kwargs), rope_reference(k, freqs, **kwargs)
+        compiled = torch.compile(rope_reference_qk)
+    rows = []
+    for b, s, h, d in shapes:
+        freqs = rope_freqs(s, d, device=DEVICE)
+        q = torch.randn(b, s, h, d, device=DEVICE, dtype=torch.bfloat16)
+        k = torch.randn(b, s, h, d, device=DEVICE, dtype=torch.bfloat16)
+        cu_seqlens = torch.arange(0, b * s + 1, s, dtype=torch.int32, device=DEVICE)
+        layouts = {
+            "bshd": (q, k, {}),
+            "sbhd": (q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(), {}),
+            "thd": (q.flatten(0, 1), k.flatten(0, 1), {"cu_seqlens": cu_seqlens}),
+        }
+        gbytes = 2 * (q.numel() + k.numel()) * q.element_size() / 1e9  # read + write of q and k
+        for fmt, (q_fmt, k_fmt, extra) in layouts.items():
+            kwargs = dict(tensor_format=fmt, **extra)
+            fns = _providers(q_fmt, k_fmt, freqs, fmt, kwargs, b, s, naive, optional, compiled)
+            times = {name: _time_ms(fn) for name, fn in fns.items()}
+            for name, ms in times.items():
+                row = dict(shape=(b, s, h, d), layout=fmt, provider=name, us=ms * 1e3,
+                           gbps=gbytes / (ms * 1e-3), pct_copy=100 * times["copy"] / ms)
+                rows.append(row)
+                print(f"{str(row['shape']):>20} {fmt:>5} {name:>17} {row['us']:9.1f} us "
+                      f"{row['gbps']:7.0f} GB/s {row['pct_copy']:6.1f}% of copy")
+    return rows
+
+
+def markdown_table(rows):
+    """One line per (shape, layout); a column per provider: time in us and % of the copy's speed."""
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    lines = ["| shape (b, s, h, d) | layout | " + " | ".join(providers) + " |",
+             "|---|---|" + "---|" * len(providers)]
+    for key in dict.fromkeys((r["shape"], r["layout"]) for r in rows):
+        cells = {r["provider"]: f"{r['us']:.1f} us ({r['pct_copy']:.0f}%)" for r in rows
+                 if (r["shape"], r["layout"]) == key}
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells.get(p, "n/a") for p in providers) + " |")
+    return "\n".join(lines)
+
+
+def environment():
+    gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "none (Triton interpreter)"
+    return (f"device: {gpu}; date: {datetime.date.today()}; torch {torch.__version__}; "
+            f"triton {triton.__version__}; python {platform.python_version()}")
+
+
+def save_results(rows, name, title, results_dir):
+    """results/<name>.md (environment + table) and, with matplotlib, results/<name>.png."""
+    os.makedirs(results_dir, exist_ok=True)
+    with open(os.path.join(results_dir, name + ".md"), "w") as f:
+        f.write(f"# {title}\n\n{environment()}\n\nbf16 q and k of equal shape; time is the median of "
+                f"`triton.testing.do_bench`; (x%) is the speed as a fraction of a device-to-device copy of "
+                f"the same bytes, measured in the same run. Raw log: `{name}.log`.\n\n{markdown_table(rows)}\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    groups = list(dict.fromkeys((r["shape"], r["layout"]) for r in rows))
+    providers = [p for p in dict.fromkeys(r["provider"] for r in rows) if p != "copy"]
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(groups)), 4.5))
+    width = 0.8 / len(providers)
+    for n, provider in enumerate(providers):
+        pct = {(r["shape"], r["layout"]): r["pct_copy"] for r in rows if r["provider"] == provider}
+        ax.bar([g + n * width for g in range(len(groups))], [pct.get(g, 0) for g in groups], width, label=provider)
+    ax.axhline(100, color="black", lw=0.8, ls="--")
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
+    ax.set_xticklabels([f"{shape}\n{layout}" for shape, layout in groups], fontsize=7)
+    ax.set_ylabel("% of device-to-device copy bandwidth")
+    ax.set_title(f"{title} ({environment().split(';')[0].removeprefix('device: ')})")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(results_dir, name + ".png"), dpi=120)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                        help="folder for the table and plot (written only on a GPU)")
+    args = parser.parse_args()
+    print(environment())
+    self_check()
+    rows = benchmark()
+    if DEVICE.type == "cuda":
+        save_results(rows, "02_rope_fwd", "RoPE forward, q and k", args.results)
+        print("\n" + markdown_table(rows))

@@ -1,0 +1,50 @@
+"""Shared test setup: the interpreter on CPU-only machines, and loading the numbered scripts.
+
+The scripts' names start with digits, so they are loaded through importlib. With no GPU the
+kernels run in Triton's interpreter (set before triton is imported) on small sizes; on a GPU the
+same tests run on larger sizes.
+"""
+import importlib.util
+import os
+import pathlib
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+_modules = {}
+
+
+def load(filename):
+    """Import ROOT/filename once and return the module (e.g. load('02_rope_fwd.py'))."""
+    if filename not in _modules:
+        name = "rope_" + filename[:-3].replace("-", "_")
+        spec = importlib.util.spec_from_file_location(name, ROOT / filename)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        _modules[filename] = module
+    return _modules[filename]
+
+
+def make_view(shape, dtype, view, generator=None):
+    """A random tensor of logical `shape` laid out in memory as `view` says.
+
+    contiguous | packed (a slice of a larger [..., 3, h, d] tensor, like q of a fused qkv) |
+    permuted (the first two dims swapped in memory) | strided_d (the last dim has stride 2).
+    """
+    kw = dict(dtype=dtype, device=DEVICE)
+    if view == "contiguous":
+        return torch.randn(shape, **kw)
+    if view == "packed":
+        return torch.randn(*shape[:-2], 3, *shape[-2:], **kw)[..., 1, :, :]
+    if view == "permuted":
+        return torch.randn(shape[1], shape[0], *shape[2:], **kw).transpose(0, 1)
+    if view == "strided_d":
+        return torch.randn(*shape[:-1], 2 * shape[-1], **kw)[..., ::2]
+    raise ValueError(view)

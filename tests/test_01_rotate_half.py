@@ -1,0 +1,78 @@
+"""01_rotate_half.py: both kernels against PyTorch, and the naive RoPE's values and gradients."""
+import pytest
+import torch
+
+from conftest import DEVICE, ON_GPU, load, make_view
+
+m = load("01_rotate_half.py")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+ROWS = 1000 if ON_GPU else 7  # odd row counts exercise the masks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("d", [2, 8, 80, 128])
+@pytest.mark.parametrize("view", ["contiguous", "packed", "strided_d"])
+def test_rotate_half_kernels_equal_torch(dtype, interleaved, d, view):
+    x = make_view((ROWS, 3, 5, d), dtype, view)
+    expected = m.rotate_half_torch(x, interleaved)
+    # Rotate-half only moves and negates: the kernels must be exact, in every dtype.
+    assert torch.equal(m.rotate_half(x, interleaved), expected)
+    assert torch.equal(m.rotate_half_rows(x, interleaved), expected)
+    assert torch.equal(m.rotate_half(x, interleaved, transpose=True), -expected)
+
+
+def test_rotate_half_is_a_quarter_turn():
+    x = torch.randn(3, 16, device=DEVICE)
+    for interleaved in (False, True):
+        twice = m.rotate_half(m.rotate_half(x, interleaved), interleaved)
+        assert torch.equal(twice, -x)  # R(R(x)) = -x, so R^T = R^-1 = -R
+
+
+def _rope_eager(t, freqs, fmt, interleaved):
+    s = t.shape[0 if fmt == "sbhd" else 1]
+    angles = freqs[:s] if fmt == "sbhd" else freqs[:s].transpose(0, 1)
+    d2 = freqs.shape[-1]
+    x = t[..., :d2]
+    y = x * angles.cos().to(t.dtype) + m.rotate_half_torch(x, interleaved) * angles.sin().to(t.dtype)
+    return torch.cat((y, t[..., d2:]), dim=-1)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("d, d2", [(64, 64), (80, 48)])
+def test_apply_rope_naive_values_and_gradients(fmt, interleaved, d, d2):
+    s, b, h = (300, 3, 4) if ON_GPU else (9, 2, 3)
+    shape = (s, b, h, d) if fmt == "sbhd" else (b, s, h, d)
+    t = torch.randn(shape, device=DEVICE, requires_grad=True)
+    freqs = torch.randn(s + 3, 1, 1, d2, device=DEVICE)  # random angles: the two halves differ
+    grad_out = torch.randn(shape, device=DEVICE)
+    y = m.apply_rope_naive(t, freqs, fmt, interleaved)
+    (dt,) = torch.autograd.grad(y, t, grad_out)
+    y_ref = _rope_eager(t, freqs, fmt, interleaved)
+    (dt_ref,) = torch.autograd.grad(y_ref, t, grad_out)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(dt, dt_ref)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_apply_rope_naive_gradcheck(interleaved):
+    t = torch.randn(4, 2, 1, 12, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    freqs = torch.randn(5, 1, 1, 8, device=DEVICE)
+    assert torch.autograd.gradcheck(lambda t: m.apply_rope_naive(t, freqs, "sbhd", interleaved), (t,))
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="x's last dim must be even"):
+        m.rotate_half(torch.randn(2, 5, device=DEVICE))
+    with pytest.raises(TypeError, match="x must be a floating-point"):
+        m.rotate_half(torch.ones(2, 4, dtype=torch.int32, device=DEVICE))
+    t, freqs = torch.randn(4, 1, 2, 8, device=DEVICE), torch.randn(4, 1, 1, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="tensor_format"):
+        m.apply_rope_naive(t, freqs, "thd")
+    with pytest.raises(ValueError, match="sequence length 4"):
+        m.apply_rope_naive(t, freqs[:3])
+    with pytest.raises(ValueError, match="d2 = 6"):
+        m.apply_rope_naive(torch.randn(4, 1, 2, 4, device=DEVICE), freqs[..., :6])
+    with pytest.raises(TypeError, match="freqs must be a float32"):
+        m.apply_rope_naive(t, freqs.double())

@@ -1,0 +1,227 @@
+"""02_rope_fwd.py: the feature matrix against rope_reference, thd per sequence, q/k in one
+launch, in place, every bad input's error. CPU runs small shapes in the interpreter; a GPU
+adds large shapes and tensors of more than 2**31 elements."""
+import pytest
+import torch
+
+from conftest import DEVICE, ON_GPU, load, make_view
+
+rope = load("02_rope_fwd.py")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+B, S, H = (3, 300, 7) if ON_GPU else (2, 13, 3)
+
+
+def logical_shape(fmt, b, s, h, d):
+    return {"sbhd": (s, b, h, d), "bshd": (b, s, h, d), "thd": (b * s, h, d)}[fmt]
+
+
+def random_cu_seqlens(b, total, with_empty=False):
+    """b sequences of random lengths summing to total (one of them empty if asked)."""
+    cuts = torch.sort(torch.randint(0, total + 1, (b - 1,))).values
+    if with_empty:
+        cuts[0] = cuts[1] if b > 2 else 0
+    return torch.cat([torch.tensor([0]), cuts, torch.tensor([total])]).to(torch.int32).to(DEVICE)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("d, d2", [(64, 64), (80, 48)])  # full; partial with non-power-of-2 halves
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("view", ["contiguous", "packed", "permuted", "strided_d"])
+@pytest.mark.parametrize("with_start", [False, True])
+def test_matches_reference(fmt, interleaved, d, d2, dtype, view, with_start):
+    t = make_view(logical_shape(fmt, B, S, H, d), dtype, view)
+    max_len = B * S if fmt == "thd" else S  # one random thd sequence may hold every token
+    freqs = torch.randn(max_len + 5, 1, 1, d2, device=DEVICE)  # arbitrary angles: halves differ
+    kwargs = dict(tensor_format=fmt, interleaved=interleaved)
+    if fmt == "thd":
+        kwargs["cu_seqlens"] = random_cu_seqlens(B, B * S)
+    if with_start:
+        kwargs["start_positions"] = torch.randint(0, 6, (B,), device=DEVICE)
+    out = rope.rope_fwd(t, freqs, **kwargs)
+    torch.testing.assert_close(out, rope.rope_reference(t, freqs, **kwargs))
+    if dtype == torch.float32:  # and close to float64 math, not only to the float32 reference
+        exact = rope.rope_reference(t.double(), freqs, compute_dtype=torch.float64, **kwargs)
+        torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("h", [1, 5, 12])
+def test_head_dims_and_head_counts(d, h):
+    t = torch.randn(S, 2, h, d, device=DEVICE, dtype=torch.bfloat16)
+    freqs = torch.randn(S, 1, 1, d, device=DEVICE)
+    torch.testing.assert_close(rope.rope_fwd(t, freqs), rope.rope_reference(t, freqs))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_thd_equals_per_sequence_application(interleaved):
+    h, d, d2 = 3, 64, 32
+    cu = random_cu_seqlens(4, 4 * S, with_empty=True)
+    start = torch.randint(0, 5, (4,), device=DEVICE)
+    freqs = torch.randn(4 * S + 5, 1, 1, d2, device=DEVICE)
+    t = torch.randn(4 * S, h, d, device=DEVICE)
+    out = rope.rope_fwd(t, freqs, "thd", interleaved, cu_seqlens=cu, start_positions=start)
+    bounds, starts = cu.tolist(), start.tolist()
+    for i in range(4):  # each sequence alone, as sbhd with b = 1, its angles from row start[i]
+        seq = t[bounds[i]:bounds[i + 1]].unsqueeze(1)
+        expected = rope.rope_reference(seq, freqs[starts[i]:], "sbhd", interleaved).squeeze(1)
+        torch.testing.assert_close(out[bounds[i]:bounds[i + 1]], expected)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("k_heads", [1, 2, 3])
+def test_qk_in_one_launch_with_fewer_k_heads(fmt, k_heads, monkeypatch):
+    q = make_view(logical_shape(fmt, B, S, 6, 64), torch.bfloat16, "packed")
+    k = make_view(logical_shape(fmt, B, S, k_heads, 64), torch.bfloat16, "contiguous")
+    freqs = torch.randn(B * S, 1, 1, 64, device=DEVICE)
+    kwargs = dict(tensor_format=fmt, interleaved=True)
+    if fmt == "thd":
+        kwargs["cu_seqlens"] = random_cu_seqlens(B, B * S)
+    launches = []
+    kernel = rope.rope_fwd_kernel
+
+    class CountingKernel:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+    monkeypatch.setattr(rope, "rope_fwd_kernel", CountingKernel())
+    q_out, k_out = rope.rope_fwd_qk(q, k, freqs, **kwargs)
+    assert len(launches) == 1
+    torch.testing.assert_close(q_out, rope.rope_reference(q, freqs, **kwargs))
+    torch.testing.assert_close(k_out, rope.rope_reference(k, freqs, **kwargs))
+
+
+@pytest.mark.parametrize("d2", [64, 32])
+def test_in_place_and_out(d2):
+    t = make_view((S, B, H, 64), torch.float16, "packed")
+    freqs = torch.randn(S, 1, 1, d2, device=DEVICE)
+    expected = rope.rope_reference(t, freqs)
+    out = make_view((S, B, H, 64), torch.float16, "strided_d")
+    assert rope.rope_fwd(t, freqs, out=out) is out
+    torch.testing.assert_close(out, expected)
+    q, k = t.clone(), t[:, :, :1].clone()
+    expected_k = rope.rope_reference(k, freqs)
+    assert rope.rope_fwd(t, freqs, out=t) is t
+    torch.testing.assert_close(t, expected)
+    q_out, k_out = rope.rope_fwd_qk(q, k, freqs, q_out=q, k_out=k)
+    assert q_out is q and k_out is k
+    torch.testing.assert_close(q, expected)
+    torch.testing.assert_close(k, expected_k)
+
+
+def test_rope_freqs_is_a_rotation():
+    # TE's table: angles pos * base^(-2i/d2), halves (or pairs) equal, so every pair keeps its norm.
+    freqs = rope.rope_freqs(S, 32, device=DEVICE)
+    inv = 10000.0 ** (-torch.arange(0, 32, 2, device=DEVICE).double() / 32)
+    torch.testing.assert_close(freqs[:, 0, 0, :16].double(), torch.arange(S, device=DEVICE).double()[:, None] * inv)
+    torch.testing.assert_close(freqs[..., :16], freqs[..., 16:])
+    assert torch.equal(rope.rope_freqs(S, 32, interleaved=True, device=DEVICE)[..., ::2], freqs[..., :16])
+    t = torch.randn(S, 2, 3, 32, device=DEVICE, dtype=torch.float64).float()
+    y = rope.rope_fwd(t, freqs)
+    torch.testing.assert_close(y[..., :16] ** 2 + y[..., 16:] ** 2, t[..., :16] ** 2 + t[..., 16:] ** 2)
+    torch.testing.assert_close(y[0], t[0])  # position 0: angle 0
+
+
+def test_empty_input():
+    t = torch.randn(0, 2, 3, 16, device=DEVICE)
+    assert rope.rope_fwd(t, torch.randn(4, 1, 1, 16, device=DEVICE)).shape == t.shape
+
+
+def test_value_checks_rerun_after_in_place_change():
+    t, freqs = torch.randn(10, 2, 16, device=DEVICE), torch.randn(10, 1, 1, 16, device=DEVICE)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=DEVICE)
+    rope.rope_fwd(t, freqs, "thd", cu_seqlens=cu)  # checked once and remembered ...
+    cu[1] = 11  # ... but an in-place write bumps the version counter, so the next call checks again
+    with pytest.raises(ValueError, match="non-decreasing"):
+        rope.rope_fwd(t, freqs, "thd", cu_seqlens=cu)
+
+
+def _bad_inputs():
+    t = lambda *shape, dtype=torch.float32: torch.randn(*shape, device=DEVICE, dtype=dtype)  # noqa: E731
+    f = lambda s=8, d2=16: torch.randn(s, 1, 1, d2, device=DEVICE)  # noqa: E731
+    cu = lambda *v: torch.tensor(v, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    start = lambda *v: torch.tensor(v, device=DEVICE)  # noqa: E731
+    return [
+        ("odd d2", dict(t=t(8, 2, 3, 16), freqs=f(d2=15)), ValueError, "d2 = 15 must be even"),
+        ("d2 > d", dict(t=t(8, 2, 3, 16), freqs=f(d2=18)), ValueError, "d2 = 18"),
+        ("s > s2", dict(t=t(9, 2, 3, 16), freqs=f()), ValueError, "sequence length 9"),
+        ("s > s2 bshd", dict(t=t(2, 9, 3, 16), freqs=f(), tensor_format="bshd"), ValueError, "sequence length 9"),
+        ("freqs fp16", dict(t=t(8, 2, 3, 16), freqs=f().half()), TypeError, "freqs must be float32"),
+        ("freqs rank", dict(t=t(8, 2, 3, 16), freqs=f()[:, 0]), ValueError, r"freqs must have shape \[s2, 1, 1, d2\]"),
+        ("freqs not tensor", dict(t=t(8, 2, 3, 16), freqs=[1.0]), TypeError, "freqs must be a torch.Tensor"),
+        ("bad format", dict(t=t(8, 2, 3, 16), freqs=f(), tensor_format="bhsd"), ValueError, "tensor_format"),
+        ("t rank", dict(t=t(8, 3, 16), freqs=f()), ValueError, "t must have 4 dims"),
+        ("t dtype", dict(t=t(8, 2, 3, 16, dtype=torch.float64), freqs=f()), TypeError, "t must be float32"),
+        ("t int", dict(t=torch.ones(8, 2, 3, 16, dtype=torch.int32, device=DEVICE), freqs=f()), TypeError, "t must be float32"),
+        ("head dim > 256", dict(t=t(8, 1, 1, 258), freqs=f(d2=16)), ValueError, "head dim 258"),
+        ("thd no cu", dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd"), ValueError, "cu_seqlens is required"),
+        ("cu int64", dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd",
+                          cu_seqlens=cu(0, 8).long()), TypeError, "cu_seqlens must be an int32"),
+        ("cu decreasing", dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd",
+                               cu_seqlens=cu(0, 5, 3, 8)), ValueError, "non-decreasing"),
+        ("cu not from 0", dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd",
+                               cu_seqlens=cu(1, 8)), ValueError, "start at 0"),
+        ("cu last", dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd",
+                         cu_seqlens=cu(0, 3, 7)), ValueError, r"cu_seqlens\[-1\] = 7"),
+        ("cu shape", dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd",
+                          cu_seqlens=cu(8)), ValueError, r"cu_seqlens must have shape \[b \+ 1\]"),
+        ("cu for sbhd", dict(t=t(8, 2, 3, 16), freqs=f(), cu_seqlens=cu(0, 8)), ValueError,
+         "cu_seqlens is only for tensor_format='thd'"),
+        ("thd seq > s2", dict(t=t(12, 3, 16), freqs=f(), tensor_format="thd",
+                              cu_seqlens=cu(0, 3, 12)), ValueError, "positions up to 8"),
+        ("start float", dict(t=t(8, 2, 3, 16), freqs=f(), start_positions=start(0.0, 1.0)), TypeError,
+         "start_positions must be an int32 or int64"),
+        ("start shape", dict(t=t(8, 2, 3, 16), freqs=f(), start_positions=start(0, 1, 2)), ValueError,
+         r"start_positions must have shape \[b\] = \[2\]"),
+        ("start negative", dict(t=t(4, 2, 3, 16), freqs=f(), start_positions=start(0, -1)), ValueError,
+         "start_positions must be >= 0"),
+        ("start too far", dict(t=t(4, 2, 3, 16), freqs=f(), start_positions=start(0, 5)), ValueError,
+         "positions up to 8"),
+        ("out shape", dict(t=t(8, 2, 3, 16), freqs=f(), out=t(8, 2, 3, 8)), ValueError, "out must match"),
+        ("out dtype", dict(t=t(8, 2, 3, 16), freqs=f(), out=t(8, 2, 3, 16).half()), ValueError, "out must match"),
+        ("out overlaps", "overlap", ValueError, "out shares memory"),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_inputs(), ids=lambda c: c[0])
+def test_bad_inputs_raise_clear_errors(case):
+    _, kwargs, error, match = case
+    if kwargs == "overlap":
+        base = torch.randn(8, 2, 3, 32, device=DEVICE)
+        kwargs = dict(t=base[..., :16], freqs=torch.randn(8, 1, 1, 16, device=DEVICE), out=base[..., 8:24])
+    with pytest.raises(error, match=match):
+        rope.rope_fwd(**kwargs)
+
+
+def test_qk_mismatch_errors():
+    q = torch.randn(8, 2, 4, 16, device=DEVICE)
+    freqs = torch.randn(8, 1, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="k must match q"):
+        rope.rope_fwd_qk(q, torch.randn(8, 3, 2, 16, device=DEVICE), freqs)
+    with pytest.raises(ValueError, match="k must match q"):
+        rope.rope_fwd_qk(q, torch.randn(8, 2, 2, 16, device=DEVICE).half(), freqs)
+    with pytest.raises(ValueError, match="k_out must match"):
+        rope.rope_fwd_qk(q, q[:, :, :2], freqs, k_out=q)
+
+
+def test_device_mismatch_errors():
+    t = torch.randn(8, 2, 3, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="freqs is on meta"):  # "meta" differs from any real device
+        rope.rope_fwd(t, torch.randn(8, 1, 1, 16, device="meta"))
+    if ON_GPU:
+        with pytest.raises(ValueError, match="start_positions is on cpu"):
+            rope.rope_fwd(t, torch.randn(8, 1, 1, 16, device=DEVICE), start_positions=torch.zeros(2, dtype=torch.int32))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU only: a tensor of more than 2**31 elements (4.3 GB in bf16)")
+def test_offsets_past_2_31_elements():
+    h, d = 8, 128
+    s = 2 ** 31 // (h * d) + 300  # the last 300 tokens live past element 2**31
+    t = torch.randn(1, s, h, d, device=DEVICE, dtype=torch.bfloat16)
+    freqs = torch.randn(s, 1, 1, d, device=DEVICE)
+    out = rope.rope_fwd(t, freqs, "bshd")
+    tail = slice(s - 400, s)  # compare the tail against the reference on that slice's own angles
+    expected = rope.rope_reference(t[:, tail], freqs[tail], "bshd")
+    torch.testing.assert_close(out[:, tail], expected)
+    del t, out
+    torch.cuda.empty_cache()
