@@ -142,55 +142,66 @@ def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens
 
 
 @triton.jit
-def _rotate_heads(x_ptr, y_ptr, x_rows, y_rows, stride_xh, stride_xd, stride_yh, stride_yd,
-                  n_heads, head_dim, rot_dim, row_mask, cos_a, sin_a, cos_b, sin_b,
-                  BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-                  PASS: tl.constexpr, INTERLEAVED: tl.constexpr, COPY_PASS: tl.constexpr):
-    """Rotate all heads of one tensor for BLOCK_S tokens. x_rows/y_rows: [BLOCK_S] int64 offsets."""
-    i = tl.arange(0, HALF)
-    for h0 in range(0, n_heads, BLOCK_H):
-        h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
-        mask = row_mask[:, None, None] & (h < n_heads)[None, :, None]
-        x_tile = x_ptr + x_rows[:, None, None] + h[None, :, None] * stride_xh
-        y_tile = y_ptr + y_rows[:, None, None] + h[None, :, None] * stride_yh
-        if INTERLEAVED:
-            j = tl.arange(0, 2 * HALF)[None, None, :]
-            m = mask & (j < rot_dim)
-            x = tl.load(x_tile + j * stride_xd, mask=m, other=0.0).to(tl.float32)
-            x_a, x_b = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_H, HALF, 2)))
-            y_a = x_a * cos_a - x_b * sin_a
-            y_b = x_b * cos_b + x_a * sin_b
-            y = tl.reshape(tl.join(y_a, y_b), (BLOCK_S, BLOCK_H, 2 * HALF))
-            tl.store(y_tile + j * stride_yd, y.to(y_ptr.dtype.element_ty), mask=m)
-        else:
-            a = i[None, None, :]
-            b = a + rot_dim // 2
-            m = mask & (a < rot_dim // 2)
-            x_a = tl.load(x_tile + a * stride_xd, mask=m, other=0.0).to(tl.float32)
-            x_b = tl.load(x_tile + b * stride_xd, mask=m, other=0.0).to(tl.float32)
-            y_a = x_a * cos_a - x_b * sin_a
-            y_b = x_b * cos_b + x_a * sin_b
-            tl.store(y_tile + a * stride_yd, y_a.to(y_ptr.dtype.element_ty), mask=m)
-            tl.store(y_tile + b * stride_yd, y_b.to(y_ptr.dtype.element_ty), mask=m)
-        if COPY_PASS:
-            p = rot_dim + tl.arange(0, PASS)[None, None, :]
-            m = mask & (p < head_dim)
-            tl.store(y_tile + p * stride_yd, tl.load(x_tile + p * stride_xd, mask=m), mask=m)
+def _load_pairs(x_tile, stride_d, mask, rot_dim, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+                HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Load the rotated channels of a [BLOCK_S, BLOCK_H] tile of heads as (x_a, x_b), float32."""
+    if INTERLEAVED:  # one contiguous load of d2 channels, split into even and odd in registers
+        j = tl.arange(0, 2 * HALF)[None, None, :]
+        x = tl.load(x_tile + j * stride_d, mask=mask & (j < rot_dim), other=0.0, eviction_policy="evict_first")
+        x_a, x_b = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_S, BLOCK_H, HALF, 2)))
+    else:  # two contiguous loads: the first and the second half of the d2 channels
+        a = tl.arange(0, HALF)[None, None, :]
+        m = mask & (a < rot_dim // 2)
+        x_a = tl.load(x_tile + a * stride_d, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        x_b = tl.load(x_tile + (a + rot_dim // 2) * stride_d, mask=m, other=0.0,
+                      eviction_policy="evict_first").to(tl.float32)
+    return x_a, x_b
+
+
+@triton.jit
+def _store_rotated(y_tile, stride_d, mask, x_a, x_b, cos_a, sin_a, cos_b, sin_b, rot_dim,
+                   BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+                   INTERLEAVED: tl.constexpr):
+    """y_a = x_a cos(f_a) - x_b sin(f_a), y_b = x_b cos(f_b) + x_a sin(f_b), stored where x came from."""
+    y_a = (x_a * cos_a - x_b * sin_a).to(y_tile.dtype.element_ty)
+    y_b = (x_b * cos_b + x_a * sin_b).to(y_tile.dtype.element_ty)
+    if INTERLEAVED:
+        j = tl.arange(0, 2 * HALF)[None, None, :]
+        tl.store(y_tile + j * stride_d, tl.reshape(tl.join(y_a, y_b), (BLOCK_S, BLOCK_H, 2 * HALF)),
+                 mask=mask & (j < rot_dim))
+    else:
+        a = tl.arange(0, HALF)[None, None, :]
+        m = mask & (a < rot_dim // 2)
+        tl.store(y_tile + a * stride_d, y_a, mask=m)
+        tl.store(y_tile + (a + rot_dim // 2) * stride_d, y_b, mask=m)
+
+
+@triton.jit
+def _copy_pass_through(x_tile, y_tile, stride_xd, stride_yd, mask, head_dim, rot_dim, PASS: tl.constexpr):
+    p = rot_dim + tl.arange(0, PASS)[None, None, :]
+    m = mask & (p < head_dim)
+    tl.store(y_tile + p * stride_yd, tl.load(x_tile + p * stride_xd, mask=m), mask=m)
 
 
 @triton.jit
 def rope_fwd_kernel(
     q_ptr, q_out_ptr, k_ptr, k_out_ptr, freqs_ptr, cu_seqlens_ptr, start_positions_ptr,
-    seqlen, n_q_heads, n_k_heads, head_dim, rot_dim,
+    n_batch, n_seq_blocks, seqlen, n_q_heads, n_k_heads, head_dim, rot_dim,
     stride_qb, stride_qs, stride_qh, stride_qd, stride_qob, stride_qos, stride_qoh, stride_qod,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_kob, stride_kos, stride_koh, stride_kod,
     stride_fs, stride_fd,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
-    INTERLEAVED: tl.constexpr, IS_THD: tl.constexpr, HAS_START_POSITIONS: tl.constexpr,
-    HAS_K: tl.constexpr, COPY_PASS: tl.constexpr,
+    N_HEAD_BLOCKS: tl.constexpr, INTERLEAVED: tl.constexpr, IS_THD: tl.constexpr,
+    HAS_START_POSITIONS: tl.constexpr, HAS_K: tl.constexpr, COPY_PASS: tl.constexpr,
+    BATCH_FASTEST: tl.constexpr,
 ):
-    pid_s = tl.program_id(0)
-    batch = tl.program_id(1)
+    # A 1-D grid, numbered so that programs running side by side touch neighbouring memory: in
+    # sbhd the batch index moves fastest, in bshd and thd the position does.
+    pid = tl.program_id(0)
+    if BATCH_FASTEST:
+        pid_s, batch = pid // n_batch, pid % n_batch
+    else:
+        pid_s, batch = pid % n_seq_blocks, pid // n_seq_blocks
     first_token = 0
     if IS_THD:  # sequence `batch` owns tokens cu_seqlens[batch] .. cu_seqlens[batch + 1] - 1
         first_token = tl.load(cu_seqlens_ptr + batch)
@@ -216,17 +227,36 @@ def rope_fwd_kernel(
     cos_a, sin_a = tl.cos(angle_a), tl.sin(angle_a)
     cos_b, sin_b = tl.cos(angle_b), tl.sin(angle_b)
 
-    tokens = (first_token + s).to(tl.int64)  # thd passes batch strides of 0
+    # Row offsets in int64 (thd passes batch strides of 0), as [BLOCK_S, 1, 1] for the tiles.
+    tokens = (first_token + s).to(tl.int64)[:, None, None]
     batch = batch.to(tl.int64)
-    _rotate_heads(q_ptr, q_out_ptr, batch * stride_qb + tokens * stride_qs,
-                  batch * stride_qob + tokens * stride_qos, stride_qh, stride_qd, stride_qoh,
-                  stride_qod, n_q_heads, head_dim, rot_dim, row_mask, cos_a, sin_a, cos_b, sin_b,
-                  BLOCK_S, BLOCK_H, HALF, PASS, INTERLEAVED, COPY_PASS)
-    if HAS_K:
-        _rotate_heads(k_ptr, k_out_ptr, batch * stride_kb + tokens * stride_ks,
-                      batch * stride_kob + tokens * stride_kos, stride_kh, stride_kd, stride_koh,
-                      stride_kod, n_k_heads, head_dim, rot_dim, row_mask, cos_a, sin_a, cos_b,
-                      sin_b, BLOCK_S, BLOCK_H, HALF, PASS, INTERLEAVED, COPY_PASS)
+    q_rows, q_out_rows = q_ptr + batch * stride_qb + tokens * stride_qs, q_out_ptr + batch * stride_qob + tokens * stride_qos
+    k_rows, k_out_rows = k_ptr + batch * stride_kb + tokens * stride_ks, k_out_ptr + batch * stride_kob + tokens * stride_kos
+    rows = row_mask[:, None, None]
+    # Walk the heads BLOCK_H at a time. Within a step every load (q and k) is issued before the
+    # first store: the compiler may not move a load above a store that could alias it, so this
+    # order is what keeps two tiles of memory traffic in flight instead of one. The loop is
+    # unrolled (static_range): with no loop boundary, the first tiles' loads need not wait for
+    # the angle loads and the cos/sin above, so their latencies overlap.
+    for hb in tl.static_range(N_HEAD_BLOCKS):
+        h = (hb * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[None, :, None]
+        q_mask = rows & (h < n_q_heads)
+        q_a, q_b = _load_pairs(q_rows + h * stride_qh, stride_qd, q_mask, rot_dim, BLOCK_S, BLOCK_H, HALF, INTERLEAVED)
+        if HAS_K:
+            k_mask = rows & (h < n_k_heads)
+            k_a, k_b = _load_pairs(k_rows + h * stride_kh, stride_kd, k_mask, rot_dim, BLOCK_S, BLOCK_H, HALF,
+                                   INTERLEAVED)
+        _store_rotated(q_out_rows + h * stride_qoh, stride_qod, q_mask, q_a, q_b, cos_a, sin_a, cos_b, sin_b,
+                       rot_dim, BLOCK_S, BLOCK_H, HALF, INTERLEAVED)
+        if HAS_K:
+            _store_rotated(k_out_rows + h * stride_koh, stride_kod, k_mask, k_a, k_b, cos_a, sin_a, cos_b,
+                           sin_b, rot_dim, BLOCK_S, BLOCK_H, HALF, INTERLEAVED)
+        if COPY_PASS:  # channels d2: pass through unchanged
+            _copy_pass_through(q_rows + h * stride_qh, q_out_rows + h * stride_qoh, stride_qd, stride_qod, q_mask,
+                               head_dim, rot_dim, PASS)
+            if HAS_K:
+                _copy_pass_through(k_rows + h * stride_kh, k_out_rows + h * stride_koh, stride_kd, stride_kod,
+                                   k_mask, head_dim, rot_dim, PASS)
 
 
 # %%
@@ -288,24 +318,35 @@ def _check_tensor(x, name, tensor_format):
         raise ValueError(f"{name} must have {rank} dims for tensor_format='{tensor_format}', got shape {tuple(x.shape)}")
 
 
-def _check_out(out, x, name):
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
-    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
-        raise ValueError(f"{name} must match the input's shape, dtype and device: got {tuple(out.shape)} "
-                         f"{out.dtype} {out.device}, expected {tuple(x.shape)} {x.dtype} {x.device}")
-    in_place = out.data_ptr() == x.data_ptr() and out.stride() == x.stride()
-    if not in_place and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        raise ValueError(f"{name} shares memory with its input without being the same view; "
-                         "pass the input itself for an in-place update")
-    return in_place
+def _check_outs(tensors, outs, names):
+    """Each output matches its input and is either that input (in place) or shares no memory with
+    any input: the kernel loads a tile of q and of k before storing either, so an output that
+    overlapped the other input would race. Returns whether every output is in place."""
+    out_names = ["out"] if len(outs) == 1 else [n + "_out" for n in names]
+    same_storage = lambda a, b: a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # noqa: E731
+    in_place = []
+    for x, out, name in zip(tensors, outs, out_names):
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
+        if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+            raise ValueError(f"{name} must match its input's shape, dtype and device: got {tuple(out.shape)} "
+                             f"{out.dtype} {out.device}, expected {tuple(x.shape)} {x.dtype} {x.device}")
+        in_place.append(out.data_ptr() == x.data_ptr() and out.stride() == x.stride())
+    for j, (out, name) in enumerate(zip(outs, out_names)):
+        for i, (x, x_name) in enumerate(zip(tensors, names)):
+            allowed = in_place[j] and (i == j or all(in_place))  # all in place: a packed qkv is fine
+            if same_storage(out, x) and not allowed:
+                raise ValueError(f"{name} shares memory with {x_name}; write in place (pass the inputs "
+                                 "themselves as outputs) or to separate buffers")
+    return all(in_place)
 
 
 def _launch_config(half, n_heads):
-    """Block sizes: ~1k fp32 values per half-tile, so every thread keeps a few 16-byte loads in flight."""
-    block_h = min(triton.next_power_of_2(n_heads), max(1, 1024 // (half * 4)))
-    block_s = max(1, 1024 // (half * block_h))
-    return dict(BLOCK_S=block_s, BLOCK_H=block_h, num_warps=4)
+    """One token per program, its heads in four unrolled steps, few warps: many small programs keep
+    the most bytes in flight per multiprocessor. Chosen from a sweep of BLOCK_S x BLOCK_H x warps
+    on an H200 (results/02_rope_fwd_sweep.log); the best configs all had BLOCK_S = 1."""
+    block_h = max(1, triton.next_power_of_2(n_heads) // 4)
+    return dict(BLOCK_S=1, BLOCK_H=block_h, num_warps=2 if block_h * half <= 128 else 4)
 
 
 def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_positions, config=None):
@@ -357,8 +398,7 @@ def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_po
         seqlen = _check_values(cu_seqlens, start_positions, seqlen, t.shape[0], max_positions)
 
     outs = [torch.empty_like(x) if o is None else o for x, o in zip(tensors, outs)]
-    in_place = [_check_out(o, x, name + "_out" if len(tensors) > 1 else "out")
-                for x, o, name in zip(tensors, outs, names)]
+    in_place = _check_outs(tensors, outs, names)
     if t.numel() == 0 or seqlen == 0:
         return outs
 
@@ -368,15 +408,17 @@ def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_po
     n_heads = [_layout(x, tensor_format)[0][2] for x in (q, k)]
     strides = [s for x in (q, q_out, k, k_out) for s in _layout(x, tensor_format)[1]]
     config = config or _launch_config(half, max(n_heads))
-    grid = (triton.cdiv(seqlen, config["BLOCK_S"]), batch)
-    rope_fwd_kernel[grid](
+    n_seq_blocks = triton.cdiv(seqlen, config["BLOCK_S"])
+    rope_fwd_kernel[(batch * n_seq_blocks,)](
         q, q_out, k, k_out, freqs,
         cu_seqlens if cu_seqlens is not None else freqs,
         start_positions if start_positions is not None else freqs,
-        seqlen, n_heads[0], n_heads[1], head_dim, rot_dim, *strides, freqs.stride(0), freqs.stride(3),
-        HALF=half, PASS=triton.next_power_of_2(max(head_dim - rot_dim, 1)), INTERLEAVED=interleaved,
+        batch, n_seq_blocks, seqlen, n_heads[0], n_heads[1], head_dim, rot_dim, *strides, freqs.stride(0), freqs.stride(3),
+        HALF=half, PASS=triton.next_power_of_2(max(head_dim - rot_dim, 1)),
+        N_HEAD_BLOCKS=triton.cdiv(max(n_heads), config["BLOCK_H"]), INTERLEAVED=interleaved,
         IS_THD=tensor_format == "thd", HAS_START_POSITIONS=start_positions is not None,
-        HAS_K=len(tensors) == 2, COPY_PASS=rot_dim < head_dim and not all(in_place), **config,
+        HAS_K=len(tensors) == 2, COPY_PASS=rot_dim < head_dim and not in_place,
+        BATCH_FASTEST=tensor_format == "sbhd", **config,
     )
     return outs
 
@@ -502,17 +544,18 @@ def _providers(q, k, freqs, fmt, kwargs, b, s, naive, optional, compiled):
     if naive is not None and fmt != "thd":
         fns["01 naive"] = lambda: (naive.apply_rope_naive(q, freqs, tensor_format=fmt),
                                    naive.apply_rope_naive(k, freqs, tensor_format=fmt))
+    # Both libraries take precomputed cos/sin tables (not counted in their time), in their own shapes.
     angles = freqs[:s, 0, 0]
-    if "liger" in optional and fmt == "bshd":  # Liger takes [b, h, s, d] views and the full table
-        cos, sin = angles.cos().to(q.dtype)[None], angles.sin().to(q.dtype)[None]
-        fns["liger (in place)"] = lambda: optional["liger"](q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    if "flash-attn" in optional:  # flash-attn takes bshd (any strides) or thd, and half tables
-        half = angles[:, : angles.shape[1] // 2]
-        cos, sin = half.cos().to(q.dtype), half.sin().to(q.dtype)
+    if "liger" in optional and fmt == "bshd":  # Liger: [b, h, s, d] views and the full [1, s, d] table
+        full_cos, full_sin = angles.cos().to(q.dtype)[None], angles.sin().to(q.dtype)[None]
+        fns["liger (in place)"] = lambda: optional["liger"](q.transpose(1, 2), k.transpose(1, 2), full_cos, full_sin)
+    if "flash-attn" in optional:  # flash-attn: bshd (any strides) or thd, and [s, d/2] tables
+        half_angles = angles[:, : angles.shape[1] // 2]
+        half_cos, half_sin = half_angles.cos().to(q.dtype), half_angles.sin().to(q.dtype)
         as_bshd = (lambda x: x.transpose(0, 1)) if fmt == "sbhd" else (lambda x: x)
         fa_kwargs = dict(cu_seqlens=kwargs["cu_seqlens"], max_seqlen=s) if fmt == "thd" else {}
-        fns["flash-attn"] = lambda: (optional["flash-attn"](as_bshd(q), cos, sin, **fa_kwargs),
-                                     optional["flash-attn"](as_bshd(k), cos, sin, **fa_kwargs))
+        fns["flash-attn"] = lambda: (optional["flash-attn"](as_bshd(q), half_cos, half_sin, **fa_kwargs),
+                                     optional["flash-attn"](as_bshd(k), half_cos, half_sin, **fa_kwargs))
     return fns
 
 

@@ -179,7 +179,7 @@ def _bad_inputs():
          "positions up to 8"),
         ("out shape", dict(t=t(8, 2, 3, 16), freqs=f(), out=t(8, 2, 3, 8)), ValueError, "out must match"),
         ("out dtype", dict(t=t(8, 2, 3, 16), freqs=f(), out=t(8, 2, 3, 16).half()), ValueError, "out must match"),
-        ("out overlaps", "overlap", ValueError, "out shares memory"),
+        ("out overlaps", "overlap", ValueError, "out shares memory with t"),
     ]
 
 
@@ -202,6 +202,13 @@ def test_qk_mismatch_errors():
         rope.rope_fwd_qk(q, torch.randn(8, 2, 2, 16, device=DEVICE).half(), freqs)
     with pytest.raises(ValueError, match="k_out must match"):
         rope.rope_fwd_qk(q, q[:, :, :2], freqs, k_out=q)
+    qkv = torch.randn(8, 2, 3, 4, 16, device=DEVICE)
+    q, k = qkv[:, :, 0], qkv[:, :, 1]
+    with pytest.raises(ValueError, match="q_out shares memory with"):  # overlaps k, which is read after q_out is written
+        rope.rope_fwd_qk(q, k, freqs, q_out=qkv[:, :, 1])
+    expected = rope.rope_reference(q, freqs), rope.rope_reference(k, freqs)
+    rope.rope_fwd_qk(q, k, freqs, q_out=q, k_out=k)  # both in place in one packed tensor: allowed
+    torch.testing.assert_close((q, k), expected)
 
 
 def test_device_mismatch_errors():
