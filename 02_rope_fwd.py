@@ -121,8 +121,9 @@ def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens
 # each: 2N elements, plus the angle rows: 4*d2 bytes per position, read once from memory and then
 # shared through L2 by every batch element. Against q and k that is small when the batch is large
 # and large when it is not: at (b, s, h, d) = (1, 32768, 8, 128) in bf16, q and k move 128 MB and
-# the table adds 16 MB, so no kernel that reads the float32 table can pass 128/144 = 89% of a copy
-# of q and k. (Liger reads precomputed bf16 cos/sin of half the width, 8 MB.) The eager formula
+# the float32 table 16 MB, which would cap any kernel at 128/144 = 89% of a copy of q and k. Real
+# tables have equal halves, so the kernel reads one half when a flag says so (8 MB: the cap
+# becomes 128/136 = 94%); arbitrary tables still work, at the full cost. The eager formula
 # moves x*cos (N read, N written), R(x) (N, N), R(x)*sin (N, N) and the sum (2N, N): 9N, plus a
 # concatenation when d2 < d. One fused kernel can therefore be up to ~4.5x faster than eager, and
 # the right yardstick for it is a plain device-to-device copy of the same bytes: a copy also reads
@@ -152,14 +153,13 @@ def _load_pairs(x_tile, stride_d, mask, rot_dim, BLOCK_S: tl.constexpr, BLOCK_H:
     """Load the rotated channels of a [BLOCK_S, BLOCK_H] tile of heads as (x_a, x_b), float32."""
     if INTERLEAVED:  # one contiguous load of d2 channels, split into even and odd in registers
         j = tl.arange(0, 2 * HALF)[None, None, :]
-        x = tl.load(x_tile + j * stride_d, mask=mask & (j < rot_dim), other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_tile + j * stride_d, mask=mask & (j < rot_dim), other=0.0)
         x_a, x_b = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_S, BLOCK_H, HALF, 2)))
     else:  # two contiguous loads: the first and the second half of the d2 channels
         a = tl.arange(0, HALF)[None, None, :]
         m = mask & (a < rot_dim // 2)
-        x_a = tl.load(x_tile + a * stride_d, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        x_b = tl.load(x_tile + (a + rot_dim // 2) * stride_d, mask=m, other=0.0,
-                      eviction_policy="evict_first").to(tl.float32)
+        x_a = tl.load(x_tile + a * stride_d, mask=m, other=0.0).to(tl.float32)
+        x_b = tl.load(x_tile + (a + rot_dim // 2) * stride_d, mask=m, other=0.0).to(tl.float32)
     return x_a, x_b
 
 
@@ -190,7 +190,7 @@ def _copy_pass_through(x_tile, y_tile, stride_xd, stride_yd, mask, head_dim, rot
 
 @triton.jit
 def rope_fwd_kernel(
-    q_ptr, q_out_ptr, k_ptr, k_out_ptr, freqs_ptr, cu_seqlens_ptr, start_positions_ptr,
+    q_ptr, q_out_ptr, k_ptr, k_out_ptr, freqs_ptr, angles_shared_ptr, cu_seqlens_ptr, start_positions_ptr,
     n_batch, n_seq_blocks, seqlen, n_q_heads, n_k_heads, head_dim, rot_dim,
     stride_qb, stride_qs, stride_qh, stride_qd, stride_qob, stride_qos, stride_qoh, stride_qod,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_kob, stride_kos, stride_koh, stride_kod,
@@ -220,6 +220,8 @@ def rope_fwd_kernel(
         pos = s + tl.load(start_positions_ptr + batch)
 
     # Angles for these tokens: loaded and turned into cos/sin once, shared by every q and k head.
+    # When the table's two halves are equal (as every model's table is: the flag is computed once
+    # per table, on the device), the second half is not loaded: a masked-off load moves no bytes.
     i = tl.arange(0, HALF)
     if INTERLEAVED:
         f_a, f_b = 2 * i, 2 * i + 1
@@ -227,8 +229,10 @@ def rope_fwd_kernel(
         f_a, f_b = i, i + rot_dim // 2
     f_mask = row_mask[:, None] & (i < rot_dim // 2)[None, :]
     f_rows = freqs_ptr + pos.to(tl.int64)[:, None] * stride_fs
-    angle_a = tl.load(f_rows + f_a[None, :] * stride_fd, mask=f_mask, other=0.0)[:, None, :]
-    angle_b = tl.load(f_rows + f_b[None, :] * stride_fd, mask=f_mask, other=0.0)[:, None, :]
+    angle_a = tl.load(f_rows + f_a[None, :] * stride_fd, mask=f_mask, other=0.0)
+    read_b = tl.load(angles_shared_ptr + 0 * i)[None, :] == 0  # the flag, one copy per lane
+    angle_b = tl.load(f_rows + f_b[None, :] * stride_fd, mask=f_mask & read_b, other=0.0)
+    angle_a, angle_b = angle_a[:, None, :], tl.where(read_b, angle_b, angle_a)[:, None, :]
     cos_a, sin_a = tl.cos(angle_a), tl.sin(angle_a)
     cos_b, sin_b = tl.cos(angle_b), tl.sin(angle_b)
 
@@ -272,18 +276,35 @@ def rope_fwd_kernel(
 # cu_seqlens and start_positions live on the GPU, and reading them costs a host sync that stalls
 # the CPU's run-ahead. q, k and every layer of one batch share those tensors, so the verdict is
 # kept for the last tensors seen (by identity and by version counter, which in-place writes
-# bump): a batch pays for one check, not one per call.
+# bump): a batch pays for one check, not one per call. The angle table's "halves equal" flag is
+# kept the same way; it is computed on the device, with no sync, once per table.
 
-_values_checked = {"key": None, "refs": (), "max_seqlen": None}
+
+class _LastResult:
+    """Remember one result for the last tensors seen, by identity and version counter."""
+
+    def __init__(self):
+        self.key, self.refs, self.value = None, (), None
+
+    def get(self, tensors, extra_key, compute):
+        key = tuple((id(x), x._version) for x in tensors) + extra_key
+        if self.key != key or not all(ref() is x for ref, x in zip(self.refs, tensors)):
+            self.value = compute()
+            self.key, self.refs = key, tuple(weakref.ref(x) for x in tensors)
+        return self.value
+
+
+_checked_values, _shared_angles = _LastResult(), _LastResult()
 
 
 def _check_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
     """Check cu_seqlens/start_positions values; return the longest sequence (thd) or seqlen."""
     tensors = tuple(x for x in (cu_seqlens, start_positions) if x is not None)
-    key = tuple((id(x), x._version) for x in tensors) + (seqlen, n_tokens, max_positions)
-    memo = _values_checked
-    if memo["key"] == key and all(ref() is x for ref, x in zip(memo["refs"], tensors)):
-        return memo["max_seqlen"]
+    return _checked_values.get(tensors, (seqlen, n_tokens, max_positions), lambda: _read_values(
+        cu_seqlens, start_positions, seqlen, n_tokens, max_positions))
+
+
+def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
     if cu_seqlens is not None:
         cu = cu_seqlens.tolist()
         if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
@@ -300,8 +321,17 @@ def _check_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
     if needed > max_positions:
         raise ValueError(f"positions up to {needed - 1} are needed (start_positions + sequence length) "
                          f"but freqs has only {max_positions} rows (s2)")
-    memo.update(key=key, refs=tuple(weakref.ref(x) for x in tensors), max_seqlen=max(lengths, default=0))
-    return memo["max_seqlen"]
+    return max(lengths, default=0)
+
+
+def _angles_shared(freqs, interleaved):
+    """A one-element int32 device tensor: 1 if f_b == f_a at every position, as in any true
+    rotation table; the kernel then reads half the table. Kept per table (no host sync)."""
+    def compute():
+        f = freqs[:, 0, 0]
+        f_a, f_b = (f[:, 0::2], f[:, 1::2]) if interleaved else f.chunk(2, dim=-1)
+        return (f_a == f_b).all().to(torch.int32).reshape(1)
+    return _shared_angles.get((freqs,), (interleaved,), compute)
 
 
 def _layout(t, tensor_format):
@@ -415,7 +445,7 @@ def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_po
     config = config or _launch_config(half, max(n_heads))
     n_seq_blocks = triton.cdiv(seqlen, config["BLOCK_S"])
     rope_fwd_kernel[(batch * n_seq_blocks,)](
-        q, q_out, k, k_out, freqs,
+        q, q_out, k, k_out, freqs, _angles_shared(freqs, interleaved),
         cu_seqlens if cu_seqlens is not None else freqs,
         start_positions if start_positions is not None else freqs,
         batch, n_seq_blocks, seqlen, n_heads[0], n_heads[1], head_dim, rot_dim, *strides, freqs.stride(0), freqs.stride(3),

@@ -122,6 +122,28 @@ def test_rope_freqs_is_a_rotation():
     torch.testing.assert_close(y[0], t[0])  # position 0: angle 0
 
 
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("d2", [64, 32])
+def test_rotation_tables_read_half_the_angles(fmt, interleaved, d2):
+    # A model's table has equal halves (or pairs): the kernel then skips loading f_b. Same answer.
+    freqs = rope.rope_freqs(B * S, d2, interleaved=interleaved, device=DEVICE)
+    assert rope._angles_shared(freqs, interleaved).item() == 1
+    assert rope._angles_shared(freqs, not interleaved).item() == 0  # the other layout's pairs differ
+    t = make_view(logical_shape(fmt, B, S, H, 64), torch.bfloat16, "packed")
+    kwargs = dict(tensor_format=fmt, interleaved=interleaved)
+    if fmt == "thd":
+        kwargs["cu_seqlens"] = random_cu_seqlens(B, B * S)
+    torch.testing.assert_close(rope.rope_fwd(t, freqs, **kwargs), rope.rope_reference(t, freqs, **kwargs))
+
+
+def test_shared_angle_flag_follows_in_place_edits_of_freqs():
+    t, freqs = torch.randn(S, 2, 3, 32, device=DEVICE), rope.rope_freqs(S, 32, device=DEVICE)
+    torch.testing.assert_close(rope.rope_fwd(t, freqs), rope.rope_reference(t, freqs))  # halves equal
+    freqs[..., 16:] += 0.5  # now they differ; a stale flag would reuse the first half's angles
+    torch.testing.assert_close(rope.rope_fwd(t, freqs), rope.rope_reference(t, freqs))
+
+
 def test_empty_input():
     t = torch.randn(0, 2, 3, 16, device=DEVICE)
     assert rope.rope_fwd(t, torch.randn(4, 1, 1, 16, device=DEVICE)).shape == t.shape
