@@ -29,6 +29,7 @@ import datetime
 import importlib.util
 import os
 import platform
+import statistics
 import time
 import weakref
 
@@ -521,7 +522,7 @@ def self_check():
 # Benchmark
 # ---------
 # bf16 q and k (k with as many heads as q), the same data in each layout. Every provider's time
-# is the median of triton.testing.do_bench (which flushes L2 between runs); GB/s counts one read
+# is the median of three triton.testing.do_bench medians (it flushes L2 between runs); GB/s counts one read
 # and one write of q and k. The yardstick, measured in the same run, is a device-to-device copy
 # of the same number of bytes. Optional rows: 01's naive path when 01_rotate_half.py sits beside
 # this file, Liger-Kernel's and flash-attention's Triton rotary kernels when they are installed.
@@ -531,8 +532,9 @@ CPU_SHAPES = [(2, 64, 4, 64)]
 
 
 def _time_ms(fn):
-    if DEVICE.type == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    if DEVICE.type == "cuda":  # the median of three medians: single runs of the small shapes wander
+        return statistics.median(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                                 for _ in range(3))
     start = time.perf_counter()
     fn()
     return (time.perf_counter() - start) * 1e3
@@ -655,8 +657,8 @@ def save_results(rows, name, title, results_dir):
     """results/<name>.md (environment + table) and, with matplotlib, results/<name>.png."""
     os.makedirs(results_dir, exist_ok=True)
     with open(os.path.join(results_dir, name + ".md"), "w") as f:
-        f.write(f"# {title}\n\n{environment()}\n\nbf16 q and k of equal shape; time is the median of "
-                f"`triton.testing.do_bench`; (x%) is the speed as a fraction of a device-to-device copy of "
+        f.write(f"# {title}\n\n{environment()}\n\nbf16 q and k of equal shape; time is the median of three "
+                f"`triton.testing.do_bench` medians; (x%) is the speed as a fraction of a device-to-device copy of "
                 f"the same bytes, measured in the same run. Raw log: `{name}.log`.\n\n{markdown_table(rows)}\n")
     try:
         import matplotlib
