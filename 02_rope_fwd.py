@@ -355,9 +355,13 @@ def _check_tensor(x, name, tensor_format):
 
 
 def _check_outs(tensors, outs, names):
-    """Each output matches its input and is either that input (in place) or shares no memory with
-    any input: the kernel loads a tile of q and of k before storing either, so an output that
-    overlapped the other input would race. Returns whether every output is in place."""
+    """Each output the caller gave matches its input and is either that input (in place) or shares
+    no memory with any input: the kernel loads a tile of q and of k before storing either, so an
+    output that overlapped the other input would race. Returns the outputs and whether every one
+    is in place."""
+    if all(out is None for out in outs):  # fresh outputs cannot overlap anything: nothing to check
+        return [torch.empty_like(x) for x in tensors], False
+    outs = [torch.empty_like(x) if o is None else o for x, o in zip(tensors, outs)]
     out_names = ["out"] if len(outs) == 1 else [n + "_out" for n in names]
     same_storage = lambda a, b: a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # noqa: E731
     in_place = []
@@ -374,14 +378,18 @@ def _check_outs(tensors, outs, names):
             if same_storage(out, x) and not allowed:
                 raise ValueError(f"{name} shares memory with {x_name}; write in place (pass the inputs "
                                  "themselves as outputs) or to separate buffers")
-    return all(in_place)
+    return outs, all(in_place)
+
+
+def _next_pow2(n):  # plain Python: triton.next_power_of_2 costs microseconds a call in Triton 3.9
+    return 1 << (n - 1).bit_length()
 
 
 def _launch_config(half, n_heads):
     """One token per program, its heads in four unrolled steps, few warps: many small programs keep
     the most bytes in flight per multiprocessor. Chosen from a sweep of BLOCK_S x BLOCK_H x warps
     on an H200 (results/02_rope_fwd_sweep.log); the best configs all had BLOCK_S = 1."""
-    block_h = max(1, triton.next_power_of_2(n_heads) // 4)
+    block_h = max(1, _next_pow2(n_heads) // 4)
     return dict(BLOCK_S=1, BLOCK_H=block_h, num_warps=2 if block_h * half <= 128 else 4)
 
 
@@ -433,25 +441,24 @@ def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_po
     if cu_seqlens is not None or start_positions is not None:
         seqlen = _check_values(cu_seqlens, start_positions, seqlen, t.shape[0], max_positions)
 
-    outs = [torch.empty_like(x) if o is None else o for x, o in zip(tensors, outs)]
-    in_place = _check_outs(tensors, outs, names)
+    outs, in_place = _check_outs(tensors, outs, names)
     if t.numel() == 0 or seqlen == 0:
         return outs
 
-    half = triton.next_power_of_2(rot_dim // 2)
+    half = _next_pow2(rot_dim // 2)
     q, k = tensors[0], tensors[-1]
     q_out, k_out = outs[0], outs[-1]
-    n_heads = [_layout(x, tensor_format)[0][2] for x in (q, k)]
+    n_heads = (q.shape[-2], k.shape[-2])
     strides = [s for x in (q, q_out, k, k_out) for s in _layout(x, tensor_format)[1]]
     config = config or _launch_config(half, max(n_heads))
-    n_seq_blocks = triton.cdiv(seqlen, config["BLOCK_S"])
+    n_seq_blocks = -(-seqlen // config["BLOCK_S"])
     rope_fwd_kernel[(batch * n_seq_blocks,)](
         q, q_out, k, k_out, freqs, _angles_shared(freqs, interleaved),
         cu_seqlens if cu_seqlens is not None else freqs,
         start_positions if start_positions is not None else freqs,
         batch, n_seq_blocks, seqlen, n_heads[0], n_heads[1], head_dim, rot_dim, *strides, freqs.stride(0), freqs.stride(3),
-        HALF=half, PASS=triton.next_power_of_2(max(head_dim - rot_dim, 1)),
-        N_HEAD_BLOCKS=triton.cdiv(max(n_heads), config["BLOCK_H"]), INTERLEAVED=interleaved,
+        HALF=half, PASS=_next_pow2(max(head_dim - rot_dim, 1)),
+        N_HEAD_BLOCKS=-(-max(n_heads) // config["BLOCK_H"]), INTERLEAVED=interleaved,
         IS_THD=tensor_format == "thd", HAS_START_POSITIONS=start_positions is not None,
         HAS_K=len(tensors) == 2, COPY_PASS=rot_dim < head_dim and not in_place,
         BATCH_FASTEST=tensor_format == "sbhd", **config,
@@ -521,23 +528,43 @@ def self_check():
 # %%
 # Benchmark
 # ---------
-# bf16 q and k (k with as many heads as q), the same data in each layout. Every provider's time
-# is the median of three triton.testing.do_bench medians (it flushes L2 between runs); GB/s counts one read
+# bf16 q and k (k with as many heads as q), the same data in each layout; GB/s counts one read
 # and one write of q and k. The yardstick, measured in the same run, is a device-to-device copy
 # of the same number of bytes. Optional rows: 01's naive path when 01_rotate_half.py sits beside
 # this file, Liger-Kernel's and flash-attention's Triton rotary kernels when they are installed.
+#
+# What is timed is the GPU's work, replayed from a CUDA graph (the median of three
+# triton.testing.do_bench_cudagraph medians). Timing calls issued one by one from Python would
+# time the host instead wherever the host takes longer to launch a call than the GPU takes to run
+# it: this wrapper's checks plus Triton's launcher cost tens of microseconds of Python a call, and
+# the (32, 512, 12, 64) kernel runs in under 30. Such timings then follow the speed of the host's
+# CPU (on two H200 machines of the same kind: 32 us and 43 us for the same call). The host cost is
+# real, so the table prints it too: eager callers pay it on every call; CUDA graphs and
+# torch.compile's "reduce-overhead" mode do not.
 
 BENCH_SHAPES = [(4, 4096, 32, 128), (32, 512, 12, 64), (1, 32768, 8, 128)]  # (b, s, h, d)
 CPU_SHAPES = [(2, 64, 4, 64)]
 
 
 def _time_ms(fn):
-    if DEVICE.type == "cuda":  # the median of three medians: single runs of the small shapes wander
-        return statistics.median(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    if DEVICE.type == "cuda":  # GPU time only; the median of three medians
+        return statistics.median(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
                                  for _ in range(3))
     start = time.perf_counter()
     fn()
     return (time.perf_counter() - start) * 1e3
+
+
+def _host_us_per_call(fn, calls=50):
+    """Host time to issue one call, the GPU not waited for (what a Python loop pays per call)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host_s = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host_s / calls * 1e6
 
 
 def _load_sibling(filename):
@@ -629,21 +656,27 @@ def benchmark():
             for name, ms in times.items():
                 row = dict(shape=(b, s, h, d), layout=fmt, provider=name, us=ms * 1e3,
                            gbps=gbytes / (ms * 1e-3), pct_copy=100 * times["copy"] / ms)
+                if DEVICE.type == "cuda" and name == "triton (ours)":
+                    row["host_us"] = _host_us_per_call(fns[name])
                 rows.append(row)
+                host = f"   host {row['host_us']:.1f} us/call" if "host_us" in row else ""
                 print(f"{str(row['shape']):>20} {fmt:>5} {name:>17} {row['us']:9.1f} us "
-                      f"{row['gbps']:7.0f} GB/s {row['pct_copy']:6.1f}% of copy")
+                      f"{row['gbps']:7.0f} GB/s {row['pct_copy']:6.1f}% of copy{host}")
     return rows
 
 
 def markdown_table(rows):
-    """One line per (shape, layout); a column per provider: time in us and % of the copy's speed."""
+    """One line per (shape, layout); a column per provider: GPU time in us and % of the copy's
+    speed; a last column with the host's cost of one eager call of ours."""
     providers = list(dict.fromkeys(r["provider"] for r in rows))
-    lines = ["| shape (b, s, h, d) | layout | " + " | ".join(providers) + " |",
-             "|---|---|" + "---|" * len(providers)]
+    lines = ["| shape (b, s, h, d) | layout | " + " | ".join(providers) + " | ours: host us / call |",
+             "|---|---|" + "---|" * (len(providers) + 1)]
     for key in dict.fromkeys((r["shape"], r["layout"]) for r in rows):
-        cells = {r["provider"]: f"{r['us']:.1f} us ({r['pct_copy']:.0f}%)" for r in rows
-                 if (r["shape"], r["layout"]) == key}
-        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells.get(p, "n/a") for p in providers) + " |")
+        here = [r for r in rows if (r["shape"], r["layout"]) == key]
+        cells = {r["provider"]: f"{r['us']:.1f} us ({r['pct_copy']:.0f}%)" for r in here}
+        host = next((f"{r['host_us']:.0f}" for r in here if "host_us" in r), "n/a")
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells.get(p, "n/a") for p in providers)
+                     + f" | {host} |")
     return "\n".join(lines)
 
 
@@ -657,9 +690,11 @@ def save_results(rows, name, title, results_dir):
     """results/<name>.md (environment + table) and, with matplotlib, results/<name>.png."""
     os.makedirs(results_dir, exist_ok=True)
     with open(os.path.join(results_dir, name + ".md"), "w") as f:
-        f.write(f"# {title}\n\n{environment()}\n\nbf16 q and k of equal shape; time is the median of three "
-                f"`triton.testing.do_bench` medians; (x%) is the speed as a fraction of a device-to-device copy of "
-                f"the same bytes, measured in the same run. Raw log: `{name}.log`.\n\n{markdown_table(rows)}\n")
+        f.write(f"# {title}\n\n{environment()}\n\nbf16 q and k of equal shape; time is GPU time, the median of "
+                f"three `triton.testing.do_bench_cudagraph` medians; (x%) is the speed as a fraction of a "
+                f"device-to-device copy of the same bytes, measured in the same run. The last column is the host "
+                f"time one eager call of ours costs (Python checks and Triton's launcher), which calls issued one "
+                f"by one from Python pay and CUDA graphs do not. Raw log: `{name}.log`.\n\n{markdown_table(rows)}\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
