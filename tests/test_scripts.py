@@ -12,7 +12,7 @@ from conftest import ON_GPU, ROOT
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the scripts run full benchmarks; run them by hand")
-@pytest.mark.parametrize("script", ["01_rotate_half.py", "02_rope_fwd.py", "03_rope_bwd.py"])
+@pytest.mark.parametrize("script", ["01_rotate_half.py", "02_rope_fwd.py", "03_rope_bwd.py", "04_rope_attention.py"])
 def test_script_runs(script, tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / script), "--results", str(tmp_path)],
                             capture_output=True, text=True, timeout=600)

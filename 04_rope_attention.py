@@ -1,0 +1,795 @@
+"""
+RoPE fused into attention, forward and backward
+===============================================
+
+In this tutorial, you will learn about:
+
+* the unfused pipeline (rotate q and k, write them, read them back for attention) against a
+  FlashAttention-style kernel that rotates q and k in registers, and what each costs in FLOPs
+  and bytes;
+* online softmax with key-padding and causal masks, and rows that see no key at all (zeros, not
+  NaN);
+* the backward: recompute the rotated tiles, accumulate dq and dk in the rotated basis, and
+  rotate back once per tile before storing, which is exact because RoPE is linear and per-row;
+* grouped-query attention (k and v with fewer heads than q), odd sequence lengths, head dims
+  that are not powers of two, partial rotary and both pairings;
+* benchmarking against 03's RoPE followed by each SDPA backend and FlexAttention.
+
+Run ``python 04_rope_attention.py``: it checks itself against a float32 PyTorch reference, then
+benchmarks. This file imports only torch and triton: copy it alone into your project.
+"""
+
+# %%
+# Setup
+# -----
+# With no GPU, run the kernels through Triton's interpreter; the variable must be set before
+# triton is imported.
+import argparse
+import datetime
+import math
+import os
+import platform
+import statistics
+import time
+import weakref
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton
+import triton.language as tl
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: a global there must be a tl.constexpr
+
+# %%
+# The PyTorch reference
+# ---------------------
+# RoPE with 02's semantics (freqs are float32 angles [s2, 1, 1, d2]; the first d2 channels are
+# rotated, rotate-half or interleaved pairs, with any angles), then softmax attention written
+# out, in float32. A key-padding mask follows Hugging Face: attention_mask[b, j] = 1 for a real
+# token, 0 for padding; a query row that sees no key returns zeros.
+
+
+def rope_freqs(max_seq_len, rotary_dim, base=10000.0, interleaved=False, device=None):
+    """Angle table [max_seq_len, 1, 1, rotary_dim], float32, laid out as TE's RotaryPositionEmbedding."""
+    inv_freq = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
+    angles = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), dim=-1)
+    return angles.view(max_seq_len, 1, 1, rotary_dim)
+
+
+def rope_reference(t, freqs, interleaved=False):
+    """RoPE on t [b, s, h, d] in float32."""
+    d2, s = freqs.shape[-1], t.shape[1]
+    angles = freqs[:s, 0, 0][None, :, None, :]
+    x, x_pass = t[..., :d2].float(), t[..., d2:].float()
+    if interleaved:
+        x_rot = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+        x_rot = torch.cat((-x2, x1), dim=-1)
+    return torch.cat((x * angles.cos() + x_rot * angles.sin(), x_pass), dim=-1)
+
+
+def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_scale=None, interleaved=False,
+                        tensor_format="bshd"):
+    """float32 RoPE then softmax attention; the output in float32, in q's layout."""
+    if tensor_format == "sbhd":
+        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    q, k = rope_reference(q, freqs, interleaved), rope_reference(k, freqs, interleaved)
+    k, v = k.repeat_interleave(group, dim=2), v.float().repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * (sm_scale or q.shape[-1] ** -0.5)
+    s = q.shape[1]
+    visible = torch.ones(s, s, dtype=torch.bool, device=q.device)
+    if causal:
+        visible = visible.tril()
+    visible = visible[None, None]
+    if attention_mask is not None:
+        visible = visible & attention_mask.bool()[:, None, None, :]
+    p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)  # empty rows: 0
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    return out.transpose(0, 1) if tensor_format == "sbhd" else out
+
+
+# %%
+# Unfused against fused: FLOPs and bytes
+# --------------------------------------
+# Attention over b sequences of s tokens, h heads of dim d: QK^T and PV are 2 * 2*b*h*s^2*d = 4bhs^2d
+# FLOPs (half when causal); the backward is about 2.5 times that (dV, dP, dQ, dK, plus the
+# recomputed QK^T), hence the 3.5x for forward + backward. The bytes are the inputs and outputs,
+# O(b*s*h*d): attention is bound by arithmetic, not memory, as soon as s is a few hundred.
+#
+# The unfused pipeline runs 03's kernel first: it reads q and k and writes the rotated copies
+# (4 * b*s*h*d elements with k as big as q), which attention reads again; its backward reads and
+# writes dq and dk once more. At (4, 32, 4096, 128) in bf16 that is ~140 us of RoPE per direction
+# against a few milliseconds of attention: fusion can save a few percent, no more. What it does
+# buy is memory: the rotated q and k (and their gradients) are never allocated.
+#
+# The fused kernel rotates each tile as it is loaded. A q tile is rotated once per program; each
+# K tile is rotated in registers on every visit (s / BLOCK_M times over the whole grid). That
+# costs a few FMAs per element of K against the 2 * BLOCK_M * d tensor-core MACs each element takes
+# part in, plus loading cos and sin for BLOCK_N positions: precomputed once in float32 (two tables
+# when the angle table is a true rotation, four when its halves differ), since computing them in
+# the inner loop would keep the special-function units busier than the tensor cores.
+#
+# The rotated tiles stay split into their a and b halves (rotate-half: channels i and i + d2/2;
+# interleaved: 2i and 2i + 1) and the pass-through channels. QK^T is a sum over channels, so it is
+# three dots, q_a.k_a + q_b.k_b + q_pass.k_pass, whatever order the channels had in memory.
+#
+# The backward
+# ------------
+# S = scale * Rq Rk^T, where Rq is q with every row rotated by its position's angles. Given dS,
+# the chain rule gives d(Rq) = scale * dS Rk and d(Rk) = scale * dS^T Rq: these accumulate over
+# the K (or Q) tiles in the rotated basis. Each row's rotation is linear and depends only on that
+# row's position, so dq = R^T d(Rq) row by row: the transposed rotation of 03 (the sines trade
+# halves and change sign), applied once per tile after the loop, exactly.
+
+# %%
+# The kernels
+# -----------
+
+
+@triton.jit
+def _trig(trig_ptr, pos, mask, half, HALF: tl.constexpr, SHARED: tl.constexpr):
+    """cos/sin of the a and b angles of positions `pos`: [len(pos), HALF] each, float32."""
+    i = tl.arange(0, HALF)[None, :]
+    m = mask[:, None] & (i < half)
+    rows = trig_ptr + pos.to(tl.int64)[:, None] * (4 * half) + i
+    cos_a, sin_a = tl.load(rows, mask=m, other=0.0), tl.load(rows + half, mask=m, other=0.0)
+    if SHARED:  # a true rotation table: the b angles are the a angles
+        return cos_a, sin_a, cos_a, sin_a
+    return cos_a, sin_a, tl.load(rows + 2 * half, mask=m, other=0.0), tl.load(rows + 3 * half, mask=m, other=0.0)
+
+
+@triton.jit
+def _pair_channels(mask, half, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Channel indices of the a and b members of each pair, [1, HALF], and the load mask."""
+    i = tl.arange(0, HALF)[None, :]
+    if INTERLEAVED:
+        a, b = 2 * i, 2 * i + 1
+    else:
+        a, b = i, i + half
+    return a, b, mask[:, None] & (i < half)
+
+
+@triton.jit
+def _load_head(base, pos, mask, stride_s, stride_d, trig_ptr, half, rot_dim, head_dim, scale,
+               HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, SHARED: tl.constexpr):
+    """Rows `pos` of one head, rotated and multiplied by `scale`: (x_a, x_b, x_pass) in x's dtype."""
+    rows = base + pos.to(tl.int64)[:, None] * stride_s
+    a, b, m = _pair_channels(mask, half, HALF, INTERLEAVED)
+    x_a = tl.load(rows + a * stride_d, mask=m, other=0.0)
+    x_b = tl.load(rows + b * stride_d, mask=m, other=0.0)
+    cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, pos, mask, half, HALF, SHARED)
+    dtype = x_a.dtype
+    r_a = ((x_a.to(tl.float32) * cos_a - x_b.to(tl.float32) * sin_a) * scale).to(dtype)
+    r_b = ((x_b.to(tl.float32) * cos_b + x_a.to(tl.float32) * sin_b) * scale).to(dtype)
+    p = rot_dim + tl.arange(0, PASS)[None, :]
+    x_p = tl.load(rows + p * stride_d, mask=mask[:, None] & (p < head_dim), other=0.0)
+    return r_a, r_b, (x_p.to(tl.float32) * scale).to(dtype)
+
+
+@triton.jit
+def _store_head_grad(base, pos, mask, stride_s, stride_d, g_a, g_b, g_p, trig_ptr, half, rot_dim, head_dim,
+                     HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, SHARED: tl.constexpr):
+    """Rotate a gradient from the rotated basis back (R^T) and store it in the tensor's dtype."""
+    cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, pos, mask, half, HALF, SHARED)
+    rows = base + pos.to(tl.int64)[:, None] * stride_s
+    a, b, m = _pair_channels(mask, half, HALF, INTERLEAVED)
+    dtype = base.dtype.element_ty
+    tl.store(rows + a * stride_d, (g_a * cos_a + g_b * sin_b).to(dtype), mask=m)
+    tl.store(rows + b * stride_d, (g_b * cos_b - g_a * sin_a).to(dtype), mask=m)
+    p = rot_dim + tl.arange(0, PASS)[None, :]
+    tl.store(rows + p * stride_d, g_p.to(dtype), mask=mask[:, None] & (p < head_dim))
+
+
+@triton.jit
+def _qk(q_a, q_b, q_p, k_a, k_b, k_p, HAS_PASS: tl.constexpr):
+    """Q K^T as the sum of the dots of the a halves, the b halves and the pass-through channels."""
+    s = tl.dot(q_a, tl.trans(k_a))
+    s = tl.dot(q_b, tl.trans(k_b), s)
+    if HAS_PASS:
+        s = tl.dot(q_p, tl.trans(k_p), s)
+    return s
+
+
+@triton.jit
+def _visible(offs_m, offs_n, seqlen, key_mask_ptr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+             EVEN_N: tl.constexpr):
+    """[len(offs_m), len(offs_n)]: may query m see key n? (bounds, padding mask, causality)"""
+    visible = tl.full((offs_m.shape[0], offs_n.shape[0]), 1, tl.int1)
+    if not EVEN_N:
+        visible = visible & (offs_n < seqlen)[None, :]
+    if HAS_MASK:
+        visible = visible & (tl.load(key_mask_ptr + offs_n, mask=offs_n < seqlen, other=0) != 0)[None, :]
+    if CAUSAL:
+        visible = visible & (offs_m[:, None] >= offs_n[None, :])
+    return visible
+
+
+@triton.jit
+def rope_attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, trig_ptr, key_mask_ptr,
+    qk_scale, seqlen, n_heads, group, half, rot_dim, head_dim,
+    stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd, stride_ob, stride_os, stride_oh, stride_od,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
+    INTERLEAVED: tl.constexpr, SHARED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // n_heads, bh % n_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seqlen
+    b64 = b.to(tl.int64)
+    # q: rotated once, with the softmax scale (in log2 units, for exp2) folded in
+    q_a, q_b, q_p = _load_head(q_ptr + b64 * stride_qb + h.to(tl.int64) * stride_qh, offs_m, m_mask, stride_qs,
+                               stride_qd, trig_ptr, half, rot_dim, head_dim, qk_scale, HALF, PASS, INTERLEAVED, SHARED)
+    k_base = k_ptr + b64 * stride_kb + (h // group).to(tl.int64) * stride_kh
+    v_base = v_ptr + b64 * stride_vb + (h // group).to(tl.int64) * stride_vh
+    key_mask_row = key_mask_ptr + b64 * seqlen
+    d = tl.arange(0, D)[None, :]
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max of the scores
+    l_i = tl.zeros((BLOCK_M,), tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    hi = seqlen
+    if CAUSAL:
+        hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < seqlen
+        k_a, k_b, k_p = _load_head(k_base, offs_n, n_mask, stride_ks, stride_kd, trig_ptr, half, rot_dim, head_dim,
+                                   1.0, HALF, PASS, INTERLEAVED, SHARED)
+        scores = _qk(q_a, q_b, q_p, k_a, k_b, k_p, HAS_PASS)
+        if (not EVEN_N) or HAS_MASK:
+            scores = tl.where(_visible(offs_m, offs_n, seqlen, key_mask_row, CAUSAL, HAS_MASK, EVEN_N), scores,
+                              float("-inf"))
+        elif CAUSAL:
+            if start_n + BLOCK_N > pid_m * BLOCK_M:  # only the diagonal blocks need the causal mask
+                scores = tl.where(offs_m[:, None] >= offs_n[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        if HAS_MASK:  # a row that has seen no visible key yet keeps m = -inf: subtract 0 instead
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new
+        p = tl.exp2(scores - m_new_safe[:, None])
+        alpha = tl.exp2(m_i - m_new_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs + d * stride_vd,
+                    mask=n_mask[:, None] & (d < head_dim), other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    empty = l_i == 0.0  # rows that saw no key: output 0, and lse = +inf so the backward's p is 0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    o_rows = o_ptr + b64 * stride_ob + h.to(tl.int64) * stride_oh + offs_m.to(tl.int64)[:, None] * stride_os
+    tl.store(o_rows + d * stride_od, out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & (d < head_dim))
+    tl.store(lse_ptr + bh.to(tl.int64) * seqlen + offs_m, tl.where(empty, float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i))),
+             mask=m_mask)
+
+
+@triton.jit
+def rope_attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, seqlen, n_heads, head_dim,
+                               stride_ob, stride_os, stride_oh, stride_od, stride_db, stride_ds, stride_dh, stride_dd,
+                               BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """delta = rowsum(dO * O): the softmax backward's dP correction, one value per query row."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)[None, :]
+    mask = (offs_m < seqlen)[:, None] & (d < head_dim)
+    rows = offs_m.to(tl.int64)[:, None]
+    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + rows * stride_os + d * stride_od, mask=mask, other=0.0)
+    do = tl.load(do_ptr + b * stride_db + h * stride_dh + rows * stride_ds + d * stride_dd, mask=mask, other=0.0)
+    tl.store(delta_ptr + bh.to(tl.int64) * seqlen + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1),
+             mask=offs_m < seqlen)
+
+
+@triton.jit
+def rope_attn_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, trig_ptr, key_mask_ptr,
+    qk_scale, seqlen, n_heads, n_kv_heads, group, half, rot_dim, head_dim,
+    stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd, stride_db, stride_ds, stride_dh, stride_dd,
+    stride_dkb, stride_dks, stride_dkh, stride_dkd, stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
+    INTERLEAVED: tl.constexpr, SHARED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """One block of keys of one k/v head: dK and dV, summed over the q heads of its group."""
+    pid_n, bh = tl.program_id(0), tl.program_id(1)
+    b, hk = (bh // n_kv_heads).to(tl.int64), (bh % n_kv_heads).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < seqlen
+    d = tl.arange(0, D)[None, :]
+    k_a, k_b, k_p = _load_head(k_ptr + b * stride_kb + hk * stride_kh, offs_n, n_mask, stride_ks, stride_kd,
+                               trig_ptr, half, rot_dim, head_dim, 1.0, HALF, PASS, INTERLEAVED, SHARED)
+    v = tl.load(v_ptr + b * stride_vb + hk * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vs + d * stride_vd,
+                mask=n_mask[:, None] & (d < head_dim), other=0.0)
+    dk_a = tl.zeros((BLOCK_N, HALF), tl.float32)
+    dk_b = tl.zeros((BLOCK_N, HALF), tl.float32)
+    dk_p = tl.zeros((BLOCK_N, PASS), tl.float32)
+    dv = tl.zeros((BLOCK_N, D), tl.float32)
+    start = 0
+    if CAUSAL:  # earlier queries cannot see these keys
+        start = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+    for g in range(group):
+        h = hk * group + g
+        q_base = q_ptr + b * stride_qb + h * stride_qh
+        do_base = do_ptr + b * stride_db + h * stride_dh
+        row_stats = (b * n_heads + h) * seqlen
+        for start_m in range(start, seqlen, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < seqlen
+            q_a, q_b, q_p = _load_head(q_base, offs_m, m_mask, stride_qs, stride_qd, trig_ptr, half, rot_dim,
+                                       head_dim, qk_scale, HALF, PASS, INTERLEAVED, SHARED)
+            scores_t = _qk(k_a, k_b, k_p, q_a, q_b, q_p, HAS_PASS)  # S^T: [BLOCK_N, BLOCK_M]
+            lse = tl.load(lse_ptr + row_stats + offs_m, mask=m_mask, other=float("inf"))
+            p_t = tl.exp2(scores_t - lse[None, :])
+            visible_t = tl.trans(_visible(offs_m, offs_n, seqlen, key_mask_ptr + b * seqlen, CAUSAL, HAS_MASK,
+                                          EVEN_N))
+            p_t = tl.where(visible_t, p_t, 0.0)
+            do = tl.load(do_base + offs_m.to(tl.int64)[:, None] * stride_ds + d * stride_dd,
+                         mask=m_mask[:, None] & (d < head_dim), other=0.0)
+            dv = tl.dot(p_t.to(do.dtype), do, dv)
+            dp_t = tl.dot(v, tl.trans(do))
+            delta = tl.load(delta_ptr + row_stats + offs_m, mask=m_mask, other=0.0)
+            ds_t = (p_t * (dp_t - delta[None, :])).to(q_a.dtype)
+            dk_a = tl.dot(ds_t, q_a, dk_a)
+            dk_b = tl.dot(ds_t, q_b, dk_b)
+            if HAS_PASS:
+                dk_p = tl.dot(ds_t, q_p, dk_p)
+    # q carried scale * log2(e); dS/dRk wants scale alone
+    _store_head_grad(dk_ptr + b * stride_dkb + hk * stride_dkh, offs_n, n_mask, stride_dks, stride_dkd,
+                     dk_a * LN2, dk_b * LN2, dk_p * LN2, trig_ptr, half, rot_dim, head_dim, HALF, PASS,
+                     INTERLEAVED, SHARED)
+    tl.store(dv_ptr + b * stride_dvb + hk * stride_dvh + offs_n.to(tl.int64)[:, None] * stride_dvs + d * stride_dvd,
+             dv.to(dv_ptr.dtype.element_ty), mask=n_mask[:, None] & (d < head_dim))
+
+
+@triton.jit
+def rope_attn_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, lse_ptr, delta_ptr, trig_ptr, key_mask_ptr,
+    qk_scale, sm_scale, seqlen, n_heads, group, half, rot_dim, head_dim,
+    stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd, stride_db, stride_ds, stride_dh, stride_dd,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
+    INTERLEAVED: tl.constexpr, SHARED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """One block of queries of one q head: dQ, accumulated over the keys it sees."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seqlen
+    d = tl.arange(0, D)[None, :]
+    q_a, q_b, q_p = _load_head(q_ptr + b * stride_qb + h * stride_qh, offs_m, m_mask, stride_qs, stride_qd, trig_ptr,
+                               half, rot_dim, head_dim, qk_scale, HALF, PASS, INTERLEAVED, SHARED)
+    do = tl.load(do_ptr + b * stride_db + h * stride_dh + offs_m.to(tl.int64)[:, None] * stride_ds + d * stride_dd,
+                 mask=m_mask[:, None] & (d < head_dim), other=0.0)
+    lse = tl.load(lse_ptr + bh.to(tl.int64) * seqlen + offs_m, mask=m_mask, other=float("inf"))
+    delta = tl.load(delta_ptr + bh.to(tl.int64) * seqlen + offs_m, mask=m_mask, other=0.0)
+    k_base = k_ptr + b * stride_kb + (h // group) * stride_kh
+    v_base = v_ptr + b * stride_vb + (h // group) * stride_vh
+    dq_a = tl.zeros((BLOCK_M, HALF), tl.float32)
+    dq_b = tl.zeros((BLOCK_M, HALF), tl.float32)
+    dq_p = tl.zeros((BLOCK_M, PASS), tl.float32)
+    hi = seqlen
+    if CAUSAL:
+        hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < seqlen
+        k_a, k_b, k_p = _load_head(k_base, offs_n, n_mask, stride_ks, stride_kd, trig_ptr, half, rot_dim, head_dim,
+                                   1.0, HALF, PASS, INTERLEAVED, SHARED)
+        p = tl.exp2(_qk(q_a, q_b, q_p, k_a, k_b, k_p, HAS_PASS) - lse[:, None])
+        p = tl.where(_visible(offs_m, offs_n, seqlen, key_mask_ptr + b * seqlen, CAUSAL, HAS_MASK, EVEN_N), p, 0.0)
+        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs + d * stride_vd,
+                    mask=n_mask[:, None] & (d < head_dim), other=0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = (p * (dp - delta[:, None])).to(k_a.dtype)
+        dq_a = tl.dot(ds, k_a, dq_a)
+        dq_b = tl.dot(ds, k_b, dq_b)
+        if HAS_PASS:
+            dq_p = tl.dot(ds, k_p, dq_p)
+    _store_head_grad(dq_ptr + b * stride_dqb + h * stride_dqh, offs_m, m_mask, stride_dqs, stride_dqd,
+                     dq_a * sm_scale, dq_b * sm_scale, dq_p * sm_scale, trig_ptr, half, rot_dim, head_dim, HALF, PASS,
+                     INTERLEAVED, SHARED)
+
+
+# %%
+# The wrapper and the autograd Function
+# -------------------------------------
+# cos and sin of the angle table are computed once per table (kept by identity and version
+# counter, as in 02) into a [s2, 4, d2/2] float32 table: cos_a, sin_a, cos_b, sin_b. Whether the
+# halves are equal is read once per table too (one host sync per table, not per call).
+
+
+class _LastResult:
+    """Remember one result for the last tensors seen, by identity and version counter."""
+
+    def __init__(self):
+        self.key, self.refs, self.value = None, (), None
+
+    def get(self, tensors, extra_key, compute):
+        key = tuple((id(x), x._version) for x in tensors) + extra_key
+        if self.key != key or not all(ref() is x for ref, x in zip(self.refs, tensors)):
+            self.value = compute()
+            self.key, self.refs = key, tuple(weakref.ref(x) for x in tensors)
+        return self.value
+
+
+_trig_tables = _LastResult()
+
+
+def _trig_table(freqs, interleaved):
+    """([s2, 4 * d2/2] float32: cos_a, sin_a, cos_b, sin_b per position, whether a == b everywhere)."""
+    def compute():
+        f = freqs[:, 0, 0]
+        f_a, f_b = (f[:, 0::2], f[:, 1::2]) if interleaved else f.chunk(2, dim=-1)
+        table = torch.cat((f_a.cos(), f_a.sin(), f_b.cos(), f_b.sin()), dim=-1).contiguous()
+        return table, bool(torch.equal(f_a, f_b))
+    return _trig_tables.get((freqs,), (interleaved,), compute)
+
+
+def _bshd_strides(x, tensor_format):
+    s = x.stride()
+    return (s[1], s[0], s[2], s[3]) if tensor_format == "sbhd" else s
+
+
+def _pow2(n, at_least=16):
+    return max(at_least, 1 << (int(n) - 1).bit_length())
+
+
+# (BLOCK_M, BLOCK_N, warps, stages) per kernel and head-dim class, from a sweep on an H200
+# (results/04_rope_attention_sweep.log); small blocks in the interpreter, where they run fastest.
+CONFIGS = {
+    ("d<=64", "fwd"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    ("d>64", "fwd"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    ("d<=64", "dkdv"): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+    ("d>64", "dkdv"): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
+    ("d<=64", "dq"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("d>64", "dq"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+}
+
+
+def _config(head_dim, kernel, shared):
+    if DEVICE.type != "cuda":
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4)
+    config = dict(CONFIGS[("d<=64" if head_dim <= 64 else "d>64", kernel)])
+    if head_dim > 64 and not shared:  # four cos/sin tiles a stage instead of two: 3 stages overflow shared memory
+        config["num_stages"] = 2
+    return config
+
+
+class _RoPEAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, freqs, attention_mask, causal, sm_scale, interleaved, tensor_format):
+        batch, seqlen = (q.shape[1], q.shape[0]) if tensor_format == "sbhd" else (q.shape[0], q.shape[1])
+        n_heads, n_kv_heads, head_dim, rot_dim = q.shape[2], k.shape[2], q.shape[3], freqs.shape[3]
+        trig, shared = _trig_table(freqs, interleaved)
+        key_mask = attention_mask if attention_mask is not None else trig  # unused when HAS_MASK is False
+        o = torch.empty_like(q)
+        lse = torch.empty(batch, n_heads, seqlen, device=q.device, dtype=torch.float32)
+        common = dict(HALF=_pow2(rot_dim // 2), PASS=_pow2(head_dim - rot_dim), D=_pow2(head_dim),
+                      INTERLEAVED=interleaved, SHARED=shared, HAS_PASS=rot_dim < head_dim, CAUSAL=causal,
+                      HAS_MASK=attention_mask is not None)
+        cfg = _config(head_dim, "fwd", common["SHARED"])
+        rope_attn_fwd_kernel[(triton.cdiv(seqlen, cfg["BLOCK_M"]), batch * n_heads)](
+            q, k, v, o, lse, trig, key_mask, sm_scale * LOG2E, seqlen, n_heads, n_heads // n_kv_heads,
+            rot_dim // 2, rot_dim, head_dim, *(s for x in (q, k, v, o) for s in _bshd_strides(x, tensor_format)),
+            EVEN_N=seqlen % cfg["BLOCK_N"] == 0, **common, **cfg)
+        ctx.save_for_backward(q, k, v, o, lse, trig, key_mask)
+        ctx.args = (batch, seqlen, n_heads, n_kv_heads, head_dim, rot_dim, sm_scale, tensor_format, common)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, trig, key_mask = ctx.saved_tensors
+        batch, seqlen, n_heads, n_kv_heads, head_dim, rot_dim, sm_scale, tensor_format, common = ctx.args
+        strides = lambda *xs: [s for x in xs for s in _bshd_strides(x, tensor_format)]  # noqa: E731
+        delta = torch.empty_like(lse)
+        rope_attn_bwd_delta_kernel[(triton.cdiv(seqlen, 64), batch * n_heads)](
+            o, do, delta, seqlen, n_heads, head_dim, *strides(o, do), BLOCK_M=64, D=common["D"])
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        scalars = (seqlen, n_heads)
+        cfg = _config(head_dim, "dkdv", common["SHARED"])
+        rope_attn_bwd_dkdv_kernel[(triton.cdiv(seqlen, cfg["BLOCK_N"]), batch * n_kv_heads)](
+            q, k, v, do, dk, dv, lse, delta, trig, key_mask, sm_scale * LOG2E, *scalars, n_kv_heads,
+            n_heads // n_kv_heads, rot_dim // 2, rot_dim, head_dim, *strides(q, k, v, do, dk, dv),
+            EVEN_N=seqlen % cfg["BLOCK_N"] == 0, **common, **cfg)
+        cfg = _config(head_dim, "dq", common["SHARED"])
+        rope_attn_bwd_dq_kernel[(triton.cdiv(seqlen, cfg["BLOCK_M"]), batch * n_heads)](
+            q, k, v, do, dq, lse, delta, trig, key_mask, sm_scale * LOG2E, sm_scale, *scalars,
+            n_heads // n_kv_heads, rot_dim // 2, rot_dim, head_dim, *strides(q, k, v, do, dq),
+            EVEN_N=seqlen % cfg["BLOCK_N"] == 0, **common, **cfg)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _check(q, k, v, freqs, attention_mask, sm_scale, tensor_format):
+    if tensor_format not in ("bshd", "sbhd"):
+        raise ValueError(f"tensor_format must be 'bshd' or 'sbhd', got {tensor_format!r}")
+    for x, name in ((q, "q"), (k, "k"), (v, "v"), (freqs, "freqs")):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
+    for x, name in ((k, "k"), (v, "v")):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [{', '.join(tensor_format)}], got shape {tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"k must match q in every dim but heads (self-attention): got {tuple(k.shape)}, "
+                         f"q is {tuple(q.shape)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q's {q.shape[2]} heads must be a multiple of k's {k.shape[2]} (grouped-query attention)")
+    head_dim, seqlen = q.shape[3], q.shape[0 if tensor_format == "sbhd" else 1]
+    if not 16 <= head_dim <= 128:
+        raise ValueError(f"head dim must be between 16 and 128, got {head_dim}")
+    if freqs.dtype != torch.float32 or freqs.dim() != 4 or freqs.shape[1:3] != (1, 1):
+        raise ValueError(f"freqs must be float32 angles of shape [s2, 1, 1, d2], got {tuple(freqs.shape)} {freqs.dtype}")
+    if freqs.shape[3] % 2 or not 2 <= freqs.shape[3] <= head_dim:
+        raise ValueError(f"freqs' last dim d2 = {freqs.shape[3]} must be even and between 2 and the head dim {head_dim}")
+    if freqs.shape[0] < seqlen:
+        raise ValueError(f"sequence length {seqlen} is over the {freqs.shape[0]} rows (s2) of freqs")
+    if freqs.requires_grad and torch.is_grad_enabled():
+        raise ValueError("freqs requires grad, but no gradient flows to the angle table; pass freqs.detach()")
+    if attention_mask is not None:
+        batch = q.shape[1 if tensor_format == "sbhd" else 0]
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a torch.Tensor or None, got {type(attention_mask).__name__}")
+        if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
+            raise TypeError(f"attention_mask must be bool or integer (1 = token, 0 = padding), got {attention_mask.dtype}")
+        if attention_mask.shape != (batch, seqlen):
+            raise ValueError(f"attention_mask must have shape [b, s] = [{batch}, {seqlen}], got "
+                             f"{tuple(attention_mask.shape)}")
+        if attention_mask.device != q.device:
+            raise ValueError(f"attention_mask is on {attention_mask.device} but q is on {q.device}")
+    if sm_scale is not None and not isinstance(sm_scale, (int, float)):
+        raise TypeError(f"sm_scale must be a number or None, got {type(sm_scale).__name__}")
+
+
+def rope_attention(q, k, v, freqs, *, causal=False, attention_mask=None, sm_scale=None, interleaved=False,
+                   tensor_format="bshd"):
+    """Attention with RoPE applied to q and k inside the kernel; differentiable in q, k and v.
+
+    q: [b, s, h, d] (bshd) | [s, b, h, d] (sbhd), float16 or bfloat16, any strides, 16 <= d <= 128.
+    k, v: the same layout and length, h_kv heads with h % h_kv == 0 (grouped-query attention).
+    freqs: float32 angles [s2, 1, 1, d2], s2 >= s, d2 even and <= d (02's semantics: only the
+        first d2 channels are rotated; any angles). No gradient flows to freqs.
+    causal: each query sees keys at its position and before.
+    attention_mask: bool or integer [b, s], 1 (nonzero) = a real token, 0 = padding (Hugging Face's
+        convention); padded keys are never attended to. A query that sees no key returns zeros.
+    sm_scale: softmax scale, 1/sqrt(d) by default. interleaved: rotate pairs (RoFormer, GPT-J).
+    Returns the output [like q], in q's layout and dtype.
+    """
+    _check(q, k, v, freqs, attention_mask, sm_scale, tensor_format)
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(torch.int8).contiguous()
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _RoPEAttention.apply(q, k, v, freqs, attention_mask, causal, scale, interleaved, tensor_format)
+
+
+# %%
+# Unit test
+# ---------
+# Odd lengths, GQA, partial rotary with arbitrary angles, a padding mask with a fully padded
+# sequence: output and gradients against the float32 reference. tests/test_04_rope_attention.py
+# covers the whole matrix.
+
+
+def self_check():
+    torch.manual_seed(0)
+    b, s, h, h_kv, d = (3, 257, 4, 2, 80) if DEVICE.type == "cuda" else (2, 37, 2, 1, 32)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
+    for causal in (False, True):
+        for interleaved in (False, True):
+            q = torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True)
+            k = torch.randn(b, s, h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True)
+            v = torch.randn(b, s, h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True)
+            freqs = torch.randn(s, 1, 1, d - 16, device=DEVICE)  # partial rotary, halves differ
+            mask = torch.ones(b, s, dtype=torch.bool, device=DEVICE)
+            mask[0, s // 2:] = False  # padding at the end of one sequence ...
+            mask[-1] = False  # ... and a sequence with no real token: its rows return 0
+            kwargs = dict(causal=causal, attention_mask=mask, interleaved=interleaved)
+            out = rope_attention(q, k, v, freqs, **kwargs)
+            ref = attention_reference(q, k, v, freqs, **kwargs)
+            dout = torch.randn_like(out)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+            ref_grads = torch.autograd.grad(ref, (q, k, v), dout.float())
+            tol = dict(atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(out.float(), ref, **tol)
+            for name, g, r in zip("qkv", grads, ref_grads):
+                torch.testing.assert_close(g.float(), r.float(), **tol, msg=lambda m: f"d{name}: {m}")
+    print(f"self-check passed: output and dq/dk/dv, causal and not, both pairings, padding mask with a fully padded "
+          f"sequence, GQA {h}/{h_kv}, s={s}, d={d}, d2={d - 16}, {dtype} (device: {DEVICE.type})")
+
+
+# %%
+# Benchmark
+# ---------
+# bf16, against the best unfused path: 03's RoPE (apply_rotary_pos_emb_qk) on q and k, then
+# scaled_dot_product_attention with each backend (cuDNN, flash, efficient) and FlexAttention.
+# TF/s count 4*b*h*s^2*d FLOPs (halved when causal; x3.5 for forward + backward). GPU time from a
+# CUDA graph when the call can be captured, else from do_bench; the table says which.
+
+BENCH_SHAPES = [  # (b, h, s, d, causal, padding mask)
+    (16, 12, 512, 64, False, False), (16, 12, 512, 64, False, True), (8, 16, 2048, 64, False, False),
+    (8, 16, 2048, 64, True, False), (4, 32, 4096, 128, False, False), (4, 32, 4096, 128, True, False)]
+CPU_SHAPES = [(1, 2, 64, 32, True, True)]
+
+
+def _time_ms(fn):
+    if DEVICE.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3, "wall"
+    try:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            return statistics.median(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+                                     for _ in range(3)), "graph"
+    except Exception:  # not capturable (e.g. a first call that syncs): time calls issued one by one
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median"), "stream"
+
+
+def _load_sibling(filename):
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), filename)
+    if not os.path.exists(path):
+        return None
+    spec = importlib.util.spec_from_file_location(filename[:-3].lstrip("0123456789_"), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _unfused_providers(q, k, v, freqs, causal, mask, rope03):
+    """name -> (q, k, v) -> output in bshd: 03's RoPE, then SDPA (each backend) or FlexAttention."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    fns = {}
+    b, s = q.shape[:2]
+    sdpa_mask = mask.bool()[:, None, None, :] if mask is not None else None
+
+    def rotated(q, k):
+        q, k = rope03.apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="bshd")
+        return q.transpose(1, 2), k.transpose(1, 2)
+    for backend, name in ((SDPBackend.CUDNN_ATTENTION, "cuDNN"), (SDPBackend.FLASH_ATTENTION, "flash"),
+                          (SDPBackend.EFFICIENT_ATTENTION, "efficient")):
+        def run(q, k, v, backend=backend):
+            qr, kr = rotated(q, k)
+            with sdpa_kernel(backend):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    qr, kr, v.transpose(1, 2), attn_mask=sdpa_mask, is_causal=causal and sdpa_mask is None)
+            return out.transpose(1, 2)
+        fns["03 RoPE + SDPA " + name] = run
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        flex = torch.compile(flex_attention)
+
+        def mask_mod(b_, h_, q_idx, kv_idx):
+            ok = (q_idx >= kv_idx) if causal else (q_idx >= 0)
+            return ok & mask.bool()[b_, kv_idx] if mask is not None else ok
+        block_mask = create_block_mask(mask_mod, b if mask is not None else None, None, s, s, device=DEVICE)
+
+        def run_flex(q, k, v):
+            qr, kr = rotated(q, k)
+            return flex(qr, kr, v.transpose(1, 2), block_mask=block_mask).transpose(1, 2)
+        fns["03 RoPE + FlexAttention"] = run_flex
+    except Exception as e:  # noqa: BLE001
+        print(f"(FlexAttention unavailable, its row is skipped: {e})")
+    return fns
+
+
+def benchmark():
+    shapes = BENCH_SHAPES if DEVICE.type == "cuda" else CPU_SHAPES
+    if DEVICE.type != "cuda":
+        print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
+              "show that the benchmark runs; they say nothing about speed.")
+    rope03 = _load_sibling("03_rope_bwd.py") if DEVICE.type == "cuda" else None
+    rows = []
+    for b, h, s, d, causal, padded in shapes:
+        dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+        q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
+        freqs = rope_freqs(s, d, device=DEVICE)
+        mask = None
+        if padded:  # Hugging Face style: each sequence is padded after a random length
+            lengths = torch.randint(s // 2, s + 1, (b,), device=DEVICE)
+            mask = torch.arange(s, device=DEVICE)[None, :] < lengths[:, None]
+        fns = {"fused (ours)": lambda q, k, v: rope_attention(q, k, v, freqs, causal=causal, attention_mask=mask)}
+        if rope03 is not None:
+            fns.update(_unfused_providers(q, k, v, freqs, causal, mask, rope03))
+        flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+        dout = torch.randn_like(q)
+        for name, fn in fns.items():
+            try:
+                fn(q, k, v)
+            except Exception as e:  # noqa: BLE001  (a backend that does not take this shape)
+                print(f"{(b, h, s, d)} causal={causal} mask={padded} {name}: n/a ({type(e).__name__})")
+                continue
+            fwd_ms, fwd_how = _time_ms(lambda: fn(q, k, v))
+            both_ms, both_how = _time_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout))
+            torch.cuda.reset_peak_memory_stats() if DEVICE.type == "cuda" else None
+            base = torch.cuda.memory_allocated() if DEVICE.type == "cuda" else 0
+            torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+            peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20 if DEVICE.type == "cuda" else float("nan")
+            row = dict(shape=(b, h, s, d), causal=causal, padded=padded, provider=name, fwd_ms=fwd_ms,
+                       both_ms=both_ms, fwd_tflops=flops / fwd_ms / 1e9, both_tflops=3.5 * flops / both_ms / 1e9,
+                       peak_mb=peak_mb, timing=fwd_how if fwd_how == both_how else f"{fwd_how}/{both_how}")
+            rows.append(row)
+            print(f"{str(row['shape']):>20} causal={causal!s:5} mask={padded!s:5} {name:>26} fwd {fwd_ms * 1e3:8.1f} us "
+                  f"{row['fwd_tflops']:6.1f} TF/s  fwd+bwd {both_ms * 1e3:8.1f} us {row['both_tflops']:6.1f} TF/s  "
+                  f"peak +{peak_mb:.0f} MiB ({row['timing']})")
+    return rows
+
+
+def markdown_table(rows):
+    lines = ["| (b, h, s, d) | causal | padding mask | provider | fwd TF/s | fwd+bwd TF/s | peak extra memory, fwd+bwd | timing |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['causal']} | {r['padded']} | {r['provider']} | {r['fwd_tflops']:.0f} "
+                     f"({r['fwd_ms'] * 1e3:.0f} us) | {r['both_tflops']:.0f} ({r['both_ms'] * 1e3:.0f} us) | "
+                     f"{r['peak_mb']:.0f} MiB | {r['timing']} |")
+    return "\n".join(lines)
+
+
+def environment():
+    gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "none (Triton interpreter)"
+    return (f"device: {gpu}; date: {datetime.date.today()}; torch {torch.__version__}; "
+            f"triton {triton.__version__}; python {platform.python_version()}")
+
+
+def save_results(rows, results_dir):
+    os.makedirs(results_dir, exist_ok=True)
+    with open(os.path.join(results_dir, "04_rope_attention.md"), "w") as f:
+        f.write(f"# RoPE + attention, fused against RoPE then attention\n\n{environment()}\n\nbf16. TF/s count "
+                "4*b*h*s^2*d FLOPs, halved when causal, x3.5 for forward + backward. 'graph': GPU time replayed "
+                "from a CUDA graph (median of three do_bench_cudagraph medians); 'stream': do_bench. Peak extra "
+                "memory: what one forward + backward allocated above the inputs. Raw log: "
+                f"`04_rope_attention.log`.\n\n{markdown_table(rows)}\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    groups = list(dict.fromkeys((r["shape"], r["causal"], r["padded"]) for r in rows))
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 4.8))
+    width = 0.8 / len(providers)
+    for ax, key, title in zip(axes, ("fwd_tflops", "both_tflops"), ("forward", "forward + backward")):
+        for n, provider in enumerate(providers):
+            vals = {(r["shape"], r["causal"], r["padded"]): r[key] for r in rows if r["provider"] == provider}
+            ax.bar([g + n * width for g in range(len(groups))], [vals.get(g, 0) for g in groups], width, label=provider)
+        ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
+        ax.set_xticklabels([f"{s}\n{'causal' if c else ''}{' mask' if p else ''}" for s, c, p in groups], fontsize=7)
+        ax.set_ylabel("TF/s")
+        ax.set_title(f"RoPE + attention, {title} ({environment().split(';')[0].removeprefix('device: ')})", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(results_dir, "04_rope_attention.png"), dpi=120)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                        help="folder for the table and plot (written only on a GPU)")
+    args = parser.parse_args()
+    print(environment())
+    self_check()
+    rows = benchmark()
+    if DEVICE.type == "cuda":
+        save_results(rows, args.results)
+        print("\n" + markdown_table(rows))

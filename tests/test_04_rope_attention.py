@@ -1,0 +1,187 @@
+"""04_rope_attention.py: output and dq/dk/dv against the float32 reference over causal x padding
+mask x odd lengths x head dims x GQA x pairing x partial rotary x layout x dtype; the same loss and
+gradients as 03's RoPE + SDPA; rows with no visible key; memory; errors.
+
+On the CPU the interpreter runs fp16 only: Triton 3.9's interpreter computes bf16 tl.dot wrongly,
+so bf16 is tested on the GPU."""
+import pytest
+import torch
+
+from conftest import DEVICE, ON_GPU, load
+
+attn = load("04_rope_attention.py")
+DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
+LENGTHS = [1, 17, 100, 257, 1000] if ON_GPU else [1, 17, 100]
+TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+def make(b, s, h, h_kv, d, dtype=torch.float16, tensor_format="bshd", packed=False):
+    """q, k, v requiring grad; `packed` makes them slices of one [.., h + 2 h_kv, d] tensor."""
+    shape = (s, b) if tensor_format == "sbhd" else (b, s)
+    if packed:
+        qkv = torch.randn(*shape, h + 2 * h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True)
+        return qkv, qkv[:, :, :h], qkv[:, :, h:h + h_kv], qkv[:, :, h + h_kv:]
+    q = torch.randn(*shape, h, d, device=DEVICE, dtype=dtype, requires_grad=True)
+    k = torch.randn(*shape, h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True)
+    v = torch.randn(*shape, h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True)
+    return None, q, k, v
+
+
+def padding_mask(b, s, fully_padded=True):
+    lengths = torch.randint(1, s + 1, (b,))
+    if fully_padded:
+        lengths[-1] = 0  # a sequence with no real token: every row of it sees nothing
+    return (torch.arange(s)[None, :] < lengths[:, None]).to(DEVICE)
+
+
+def lowp_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_scale=None, interleaved=False,
+                   tensor_format="bshd"):
+    """The same attention in torch, rounded to q's dtype where a kernel rounds: the rotated q and k,
+    the probabilities, the output. Its error against the float32 reference is the yardstick for ours."""
+    if tensor_format == "sbhd":
+        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+    dtype, group = q.dtype, q.shape[2] // k.shape[2]
+    q, k = attn.rope_reference(q, freqs, interleaved).to(dtype), attn.rope_reference(k, freqs, interleaved).to(dtype)
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * (sm_scale or q.shape[-1] ** -0.5)
+    s = q.shape[1]
+    visible = torch.ones(s, s, dtype=torch.bool, device=q.device)
+    visible = (visible.tril() if causal else visible)[None, None]
+    if attention_mask is not None:
+        visible = visible & attention_mask.bool()[:, None, None, :]
+    p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0).to(dtype)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v).float()
+    return out.transpose(0, 1) if tensor_format == "sbhd" else out
+
+
+def assert_close_to_reference(x, ref, lowp):
+    """Within TOL of the float32 reference, or no further from it than 3x the same-precision torch
+    computation (bf16 rounds 8x coarser than fp16; this is how FlashAttention's tests judge it)."""
+    err, lowp_err = (x.float() - ref).abs().max().item(), (lowp.float() - ref).abs().max().item()
+    try:
+        torch.testing.assert_close(x.float(), ref, **TOL)
+    except AssertionError:
+        assert err <= 3 * lowp_err + 1e-4, f"max error {err:.3g}, same-precision torch's {lowp_err:.3g}"
+
+
+def check(q, k, v, freqs, leaves=None, **kwargs):
+    out = attn.rope_attention(q, k, v, freqs, **kwargs)
+    ref = attn.attention_reference(q, k, v, freqs, **kwargs)
+    lowp = lowp_reference(q, k, v, freqs, **kwargs)
+    assert_close_to_reference(out, ref, lowp)
+    dout = torch.randn_like(out)
+    inputs = leaves or (q, k, v)
+    grads = torch.autograd.grad(out, inputs, dout)
+    ref_grads = torch.autograd.grad(ref, inputs, dout.float())
+    lowp_grads = torch.autograd.grad(lowp, inputs, dout.float())
+    for g, r, lp in zip(grads, ref_grads, lowp_grads):
+        assert torch.isfinite(g).all()
+        assert_close_to_reference(g, r.float(), lp)
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("s", LENGTHS)
+def test_lengths_causal_and_padding(causal, masked, s):
+    torch.manual_seed(s)
+    _, q, k, v = make(2, s, 4, 2, 64)
+    mask = padding_mask(2, s) if masked else None
+    check(q, k, v, attn.rope_freqs(s, 64, device=DEVICE), causal=causal, attention_mask=mask)
+
+
+@pytest.mark.parametrize("d, d2", [(32, 32), (64, 64), (128, 128), (80, 80), (96, 64), (64, 16)])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_head_dims_partial_rotary_and_pairings(d, d2, interleaved):
+    torch.manual_seed(d + d2)
+    s = 100 if ON_GPU else 33
+    _, q, k, v = make(2, s, 2, 1, d)
+    freqs = torch.randn(s + 3, 1, 1, d2, device=DEVICE)  # arbitrary angles: halves differ
+    check(q, k, v, freqs, causal=True, interleaved=interleaved)
+
+
+@pytest.mark.parametrize("h, h_kv", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("tensor_format", ["bshd", "sbhd"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gqa_layouts_strides_dtypes(h, h_kv, tensor_format, dtype):
+    torch.manual_seed(h * 10 + h_kv)
+    s = 257 if ON_GPU else 40
+    qkv, q, k, v = make(2, s, h, h_kv, 64, dtype, tensor_format, packed=True)  # strided views of one tensor
+    mask = padding_mask(2, s, fully_padded=False)
+    check(q, k, v, attn.rope_freqs(s, 64, interleaved=True, device=DEVICE), leaves=(qkv,), causal=False,
+          attention_mask=mask, interleaved=True, tensor_format=tensor_format, sm_scale=0.3)
+
+
+def test_rows_that_see_no_key_are_zero():
+    _, q, k, v = make(2, 50, 2, 2, 32)
+    mask = torch.zeros(2, 50, dtype=torch.int32, device=DEVICE)  # 0/1 integers, Hugging Face's convention
+    mask[0, 10:20] = 1  # causal rows 0..9 of sequence 0 see no real key; sequence 1 sees none at all
+    out = attn.rope_attention(q, k, v, attn.rope_freqs(50, 32, device=DEVICE), causal=True, attention_mask=mask)
+    assert (out[0, :10] == 0).all() and (out[1] == 0).all() and (out[0, 10:] != 0).any()
+    grads = torch.autograd.grad(out.float().square().sum() + out.sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert (grads[0][1] == 0).all()  # nothing flows through a sequence with no visible key
+
+
+def test_same_loss_and_gradients_as_rope03_then_sdpa():
+    rope03 = load("03_rope_bwd.py")
+    torch.manual_seed(0)
+    b, s, hidden, heads = 2, 48, 64, 4
+    x = torch.randn(b, s, hidden, device=DEVICE)
+    freqs = attn.rope_freqs(s, hidden // heads, interleaved=True, device=DEVICE)
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(1)
+        qkv, proj = torch.nn.Linear(hidden, 3 * hidden).to(DEVICE), torch.nn.Linear(hidden, hidden).to(DEVICE)
+        q, k, v = qkv(x).half().view(b, s, 3, heads, hidden // heads).unbind(2)
+        if fused:
+            out = attn.rope_attention(q, k, v, freqs, causal=True, interleaved=True)
+        else:
+            q, k = rope03.apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="bshd", interleaved=True)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
+                is_causal=True).transpose(1, 2).half()
+        loss = proj(out.float().reshape(b, s, hidden)).square().mean()
+        results.append((loss, torch.autograd.grad(loss, list(qkv.parameters()) + list(proj.parameters()))))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-2, atol=1e-4)
+    for a, b_ in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b_, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="peak memory is measured on the GPU")
+def test_forward_backward_allocates_nothing_of_size_s_squared():
+    s = 16384
+    _, q, k, v = make(1, s, 1, 1, 64, torch.bfloat16)
+    freqs = attn.rope_freqs(s, 64, device=DEVICE)
+    attn.rope_attention(q, k, v, freqs)  # warm up: the cos/sin table is built and kept
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.autograd.grad(attn.rope_attention(q, k, v, freqs, causal=True), (q, k, v), torch.randn_like(q))
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < s * s * 2 // 16, f"{extra} bytes, against {s * s * 2} for one bf16 s x s matrix"
+
+
+def test_errors():
+    _, q, k, v = make(2, 8, 4, 2, 32)
+    f = attn.rope_freqs(8, 32, device=DEVICE)
+    cases = [
+        (lambda: attn.rope_attention(q.float(), k, v, f), TypeError, "q must be float16 or bfloat16"),
+        (lambda: attn.rope_attention(q, k.bfloat16(), v, f), TypeError, "k must have q's dtype"),
+        (lambda: attn.rope_attention(q, k[:, :4], v, f), ValueError, "k and v must have the same shape"),
+        (lambda: attn.rope_attention(q[:, :, :3], k, v, f), ValueError, "multiple of k's 2"),
+        (lambda: attn.rope_attention(q, k, v, f[:4]), ValueError, "over the 4 rows"),
+        (lambda: attn.rope_attention(q, k, v, f[..., :15]), ValueError, "must be even"),
+        (lambda: attn.rope_attention(q, k, v, f.double()), ValueError, "freqs must be float32"),
+        (lambda: attn.rope_attention(q, k, v, f, attention_mask=torch.ones(2, 7, device=DEVICE).bool()), ValueError,
+         r"attention_mask must have shape \[b, s\] = \[2, 8\]"),
+        (lambda: attn.rope_attention(q, k, v, f, attention_mask=torch.ones(2, 8, device=DEVICE)), TypeError,
+         "attention_mask must be bool or integer"),
+        (lambda: attn.rope_attention(q, k, v, f, tensor_format="thd"), ValueError, "tensor_format"),
+        (lambda: attn.rope_attention(q, k, v, f.clone().requires_grad_()), ValueError, "freqs requires grad"),
+        (lambda: attn.rope_attention(q[..., :8], k[..., :8], v[..., :8], f[..., :8]), ValueError,
+         "head dim must be between 16 and 128"),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
