@@ -1,0 +1,689 @@
+"""
+Pretraining a RoFormer masked language model on the collection's kernels
+========================================================================
+
+In this tutorial, you will learn about:
+
+* a faithful RoFormer (Hugging Face's ``RoFormerForMaskedLM``): word and token-type embeddings, no
+  absolute positions, post-LN encoder layers with RoPE on q and k (interleaved pairs), an MLM
+  head tied to the word embeddings; and loading a Hugging Face checkpoint into it;
+* one flag, ``--attn``, that walks the collection's ladder: ``torch`` (eager RoPE and softmax),
+  ``naive`` (01's RoPE + SDPA), ``triton`` (03's RoPE + SDPA; 02's forward kernel at evaluation)
+  and ``fused`` (04's RoPE + attention kernel);
+* BERT/RoFormer masking (15%: 80% [MASK], 10% random, 10% unchanged), the loss and accuracy on
+  masked positions only, with the MLM head run on those positions only;
+* a nanoGPT-style loop: AdamW, warmup then linear decay, gradient accumulation and clipping, bf16
+  autocast, atomic checkpoints and an exact ``--resume``, DistributedDataParallel via torchrun.
+
+Run ``python 05_train_roformer_mlm.py`` (a small model on the Python standard library's own source,
+no download), ``--help`` for the options. It loads 01-04 from beside this file.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import itertools
+import json
+import math
+import os
+import random
+import sys
+import sysconfig
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before 01-04 import triton
+
+
+def load_step(filename):
+    """01-04 start with digits, so they are loaded by path, once each."""
+    name = "rope_step_" + filename[:2]
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)), filename))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+naive_rope, rope_fwd, rope_bwd, fused = (load_step(f) for f in (
+    "01_rotate_half.py", "02_rope_fwd.py", "03_rope_bwd.py", "04_rope_attention.py"))
+ATTN_PATHS = ("torch", "naive", "triton", "fused")
+
+# %%
+# The model
+# ---------
+# Module and parameter names follow Hugging Face's RoFormer, so its checkpoints load as they are.
+
+
+@dataclasses.dataclass
+class RoFormerConfig:
+    vocab_size: int = 260
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    intermediate_size: int = 1024
+    embedding_size: int = 0  # 0: the hidden size (no projection)
+    max_position_embeddings: int = 1536
+    type_vocab_size: int = 2
+    hidden_dropout_prob: float = 0.1
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 256
+
+    @classmethod
+    def from_hf(cls, hf):
+        if hf.get("model_type") != "roformer":
+            raise ValueError(f"not a RoFormer checkpoint: config.json says model_type={hf.get('model_type')!r}")
+        if hf.get("rotary_value") or hf.get("is_decoder") or hf.get("hidden_act", "gelu") != "gelu":
+            raise ValueError("only encoder RoFormers with rotary_value=False and hidden_act='gelu' are supported")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in hf.items() if k in fields and v is not None})
+
+
+class RoFormerSelfAttention(nn.Module):
+    """Self-attention with RoPE on q and k. There is no dropout on the attention probabilities: 04's
+    kernel has none, so every path leaves it out and the ladder compares like with like (the hidden
+    dropout stays). Hugging Face's model, in eval mode or with attention_probs_dropout_prob=0, is
+    the same function."""
+
+    def __init__(self, cfg, attn):
+        super().__init__()
+        self.heads, self.attn = cfg.num_attention_heads, attn
+        self.query, self.key, self.value = (nn.Linear(cfg.hidden_size, cfg.hidden_size) for _ in range(3))
+
+    def forward(self, x, freqs, mask):
+        b, s, hidden = x.shape
+        q, k, v = (lin(x).view(b, s, self.heads, hidden // self.heads) for lin in (self.query, self.key, self.value))
+        if self.attn == "fused":  # 04: RoPE inside the attention kernel (fp16/bf16 only)
+            dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float16
+            out = fused.rope_attention(q.to(dtype), k.to(dtype), v.to(dtype), freqs, attention_mask=mask,
+                                       interleaved=True).to(q.dtype)
+            return out.reshape(b, s, hidden)
+        if self.attn == "torch":  # eager PyTorch, as Hugging Face writes it
+            q, k = (rope_bwd.rope_reference(t, freqs, "bshd", interleaved=True, compute_dtype=None) for t in (q, k))
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+            scores = scores.masked_fill(~mask.bool()[:, None, None, :], torch.finfo(scores.dtype).min)
+            out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+            return out.reshape(b, s, hidden)
+        if self.attn == "naive":  # 01: three passes over memory
+            q, k = (naive_rope.apply_rope_naive(t, freqs, "bshd", interleaved=True) for t in (q, k))
+        elif torch.is_grad_enabled():  # 03: one kernel each way, differentiable
+            q, k = rope_bwd.apply_rotary_pos_emb_qk(q, k, freqs, "bshd", interleaved=True)
+        else:  # evaluation: 02's forward-only kernel
+            q, k = rope_fwd.rope_fwd_qk(q, k, freqs, "bshd", interleaved=True)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask.bool()[:, None, None, :])
+        return out.transpose(1, 2).reshape(b, s, hidden)
+
+
+class AddNorm(nn.Module):
+    """dense -> dropout -> add the residual -> LayerNorm (RoFormer's post-LN "output" blocks)."""
+
+    def __init__(self, d_in, cfg):
+        super().__init__()
+        self.dense = nn.Linear(d_in, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+    def forward(self, x, residual):
+        return self.LayerNorm(self.dropout(self.dense(x)) + residual)
+
+
+class RoFormerLayer(nn.Module):
+    def __init__(self, cfg, attn):
+        super().__init__()
+        self.attention = nn.Module()
+        self.attention.self, self.attention.output = RoFormerSelfAttention(cfg, attn), AddNorm(cfg.hidden_size, cfg)
+        self.intermediate = nn.Module()
+        self.intermediate.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.output = AddNorm(cfg.intermediate_size, cfg)
+
+    def forward(self, x, freqs, mask):
+        x = self.attention.output(self.attention.self(x, freqs, mask), x)
+        return self.output(F.gelu(self.intermediate.dense(x)), x)
+
+
+class RoFormerForMaskedLM(nn.Module):
+    def __init__(self, cfg, attn="torch"):
+        super().__init__()
+        if attn not in ATTN_PATHS:
+            raise ValueError(f"attn must be one of {ATTN_PATHS}, got {attn!r}")
+        self.cfg, emb = cfg, cfg.embedding_size or cfg.hidden_size
+        self.roformer = nn.Module()
+        e = self.roformer.embeddings = nn.Module()
+        e.word_embeddings = nn.Embedding(cfg.vocab_size, emb, padding_idx=cfg.pad_token_id)
+        e.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, emb)
+        e.LayerNorm, e.dropout = nn.LayerNorm(emb, eps=cfg.layer_norm_eps), nn.Dropout(cfg.hidden_dropout_prob)
+        if emb != cfg.hidden_size:
+            self.roformer.embeddings_project = nn.Linear(emb, cfg.hidden_size)
+        self.roformer.encoder = nn.Module()
+        self.roformer.encoder.layer = nn.ModuleList(RoFormerLayer(cfg, attn) for _ in range(cfg.num_hidden_layers))
+        self.cls = nn.Module()
+        p = self.cls.predictions = nn.Module()
+        p.transform = nn.Module()
+        p.transform.dense, p.transform.LayerNorm = nn.Linear(cfg.hidden_size, emb), nn.LayerNorm(emb, eps=cfg.layer_norm_eps)
+        p.decoder = nn.Linear(emb, cfg.vocab_size)
+        p.decoder.weight = e.word_embeddings.weight  # tied
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.register_buffer("freqs", rope_bwd.rope_freqs(cfg.max_position_embeddings, head_dim, interleaved=True),
+                             persistent=False)  # RoFormer's sinusoidal angles, base 10000, interleaved pairs
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):  # BERT's: normal(0, 0.02), zero biases, unit LayerNorm
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
+        """Logits [b, s, vocab] without labels; with labels (-100 = not masked): (loss, accuracy), the
+        head run on the masked positions only (the loss needs nothing else)."""
+        b, s = input_ids.shape
+        if s > self.freqs.shape[0]:
+            raise ValueError(f"sequence length {s} is over max_position_embeddings = {self.freqs.shape[0]}")
+        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        e = self.roformer.embeddings
+        x = e.word_embeddings(input_ids) + e.token_type_embeddings(
+            token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids))
+        x = e.dropout(e.LayerNorm(x))
+        if hasattr(self.roformer, "embeddings_project"):
+            x = self.roformer.embeddings_project(x)
+        for layer in self.roformer.encoder.layer:
+            x = layer(x, self.freqs, mask)
+        if labels is not None:
+            x, labels = x[labels != -100], labels[labels != -100]
+        p = self.cls.predictions
+        logits = p.decoder(p.transform.LayerNorm(F.gelu(p.transform.dense(x))))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.float(), labels), (logits.argmax(-1) == labels).float().mean()
+
+
+def load_hf_checkpoint(path, attn):
+    """A Hugging Face RoFormer directory (config.json + model.safetensors or pytorch_model.bin)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"--init-from {path}: no config.json there")
+    with open(os.path.join(path, "config.json")) as f:
+        model = RoFormerForMaskedLM(RoFormerConfig.from_hf(json.load(f)), attn)
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise SystemExit("model.safetensors needs the safetensors package: pip install safetensors")
+        state = load_file(os.path.join(path, "model.safetensors"))
+    elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+        state = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"--init-from {path}: no model.safetensors or pytorch_model.bin")
+    state = {k: v for k, v in state.items() if "embed_positions" not in k}  # sinusoidal: recomputed
+    state.setdefault("cls.predictions.decoder.bias", state.get("cls.predictions.bias"))
+    state.pop("cls.predictions.bias", None)
+    state.setdefault("cls.predictions.decoder.weight", state["roformer.embeddings.word_embeddings.weight"])
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match RoFormerForMaskedLM: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model
+
+
+# %%
+# Data: text to packed, masked sequences
+# --------------------------------------
+# Bytes are the default tokens (256 of them, then [PAD] [CLS] [SEP] [MASK]). Documents stream in
+# order, are concatenated with [SEP] and cut into [CLS] + (seq_len - 2) tokens + [SEP]; the
+# last sequence is padded. Sequence i goes to the held-out set if i % 50 == 0, else to rank
+# i % world_size's training stream. The position in that stream is what a checkpoint stores.
+
+PAD, CLS, SEP, MASK = 256, 257, 258, 259
+
+
+class ByteTokenizer:
+    vocab_size, pad, cls, sep, mask, n_special = 260, PAD, CLS, SEP, MASK, 4
+
+    def encode(self, text):
+        return list(text.encode("utf-8", errors="replace"))
+
+
+class WordPieceTokenizer:
+    """A checkpoint's vocab.txt, through the `tokenizers` package."""
+
+    def __init__(self, vocab_path):
+        try:
+            from tokenizers import BertWordPieceTokenizer
+        except ImportError:
+            raise SystemExit("a checkpoint's vocab.txt needs the tokenizers package: pip install tokenizers")
+        self.tok = BertWordPieceTokenizer(vocab_path, lowercase=False)
+        ids = {t: self.tok.token_to_id(t) for t in ("[PAD]", "[CLS]", "[SEP]", "[MASK]")}
+        self.vocab_size, (self.pad, self.cls, self.sep, self.mask) = self.tok.get_vocab_size(), ids.values()
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+
+def documents(path):
+    """Texts from a file, a folder of .txt, JSON lines with a "text" field, or (path None) the Python
+    standard library's own source, found at run time. Streamed: one document at a time."""
+    if path is None:
+        root = sysconfig.get_paths()["stdlib"]
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
+                       if f.endswith(".py") and "site-packages" not in d)
+    elif os.path.isdir(path):
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt"))
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        raise FileNotFoundError(f"--data {path}: no such file or folder")
+    if not files:
+        raise FileNotFoundError(f"--data {path}: no .txt files found")
+    for name in files:
+        with open(name, encoding="utf-8", errors="replace") as f:
+            if name.endswith((".jsonl", ".json")):
+                for line in f:
+                    if line.strip():
+                        yield json.loads(line)["text"]
+            else:
+                yield f.read()
+
+
+def sequences(data, tokenizer, seq_len):
+    """Packed token sequences of exactly seq_len (the last one padded) and their real lengths."""
+    body, buf = seq_len - 2, []
+    for doc in documents(data):
+        buf.extend(tokenizer.encode(doc))
+        buf.append(tokenizer.sep)
+        while len(buf) >= body:
+            yield [tokenizer.cls] + buf[:body] + [tokenizer.sep], seq_len
+            buf = buf[body:]
+    if buf:
+        yield [tokenizer.cls] + buf + [tokenizer.sep] + [tokenizer.pad] * (body - len(buf)), len(buf) + 2
+
+
+def batches(data, tokenizer, seq_len, batch_size, rank, world, start=0, held_out=False):
+    """Endless batches (input_ids, attention_mask) of this rank's training sequences, after skipping
+    its first `start` (a resumed run's position, across epochs); held_out=True: the held-out
+    sequences, one pass."""
+    to_skip = start
+    while True:
+        ids, lengths, found, train_index = [], [], False, -1
+        for i, (seq, n) in enumerate(sequences(data, tokenizer, seq_len)):
+            if (i % 50 == 0) != held_out:
+                continue
+            if not held_out:
+                train_index += 1
+                if train_index % world != rank:
+                    continue
+            found = True
+            if to_skip:
+                to_skip -= 1
+                continue
+            ids.append(seq)
+            lengths.append(n)
+            if len(ids) == batch_size:
+                yield torch.tensor(ids), torch.arange(seq_len)[None, :] < torch.tensor(lengths)[:, None]
+                ids, lengths = [], []
+        if held_out:
+            return
+        if not found:
+            raise ValueError(f"--data has too little text: rank {rank} of {world} gets no sequence of {seq_len} tokens")
+
+
+def mask_tokens(input_ids, attention_mask, tokenizer, mask_prob, generator):
+    """BERT masking: mask_prob of the real, non-special tokens are chosen; of those 80% become
+    [MASK], 10% a random token, 10% stay. Returns (inputs, labels) with -100 where not chosen."""
+    special = (input_ids == tokenizer.cls) | (input_ids == tokenizer.sep) | ~attention_mask
+    chosen = (torch.rand(input_ids.shape, generator=generator) < mask_prob) & ~special
+    labels = torch.where(chosen, input_ids, -100)
+    r = torch.rand(input_ids.shape, generator=generator)
+    random_tokens = torch.randint(0, tokenizer.vocab_size - tokenizer.n_special if isinstance(tokenizer, ByteTokenizer)
+                                  else tokenizer.vocab_size, input_ids.shape, generator=generator)
+    inputs = torch.where(chosen & (r < 0.8), tokenizer.mask, input_ids)
+    inputs = torch.where(chosen & (r >= 0.8) & (r < 0.9), random_tokens, inputs)
+    return inputs, labels
+
+
+# %%
+# Training
+# --------
+
+
+def parse_args(argv=None):
+    on_gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description="Pretrain a RoFormer masked LM on the collection's kernels.")
+    p.add_argument("--attn", choices=ATTN_PATHS, default="fused" if on_gpu else "torch",
+                   help="attention path (default: fused on a GPU; torch on a CPU, where Triton is interpreted)")
+    p.add_argument("--data", default=None, help="text file, folder of .txt, or .jsonl with a 'text' field "
+                   "(default: the Python standard library's source)")
+    p.add_argument("--out", default="out-roformer", help="folder for checkpoints, logs and the plot")
+    p.add_argument("--init-from", default=None, help="a Hugging Face RoFormer checkpoint directory")
+    p.add_argument("--resume", action="store_true", help="continue from --out/ckpt.pt")
+    p.add_argument("--seq-len", type=int, default=512 if on_gpu else 64)
+    p.add_argument("--batch-size", type=int, default=32 if on_gpu else 4)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--layers", type=int, default=6 if on_gpu else 2)
+    p.add_argument("--hidden", type=int, default=512 if on_gpu else 64)
+    p.add_argument("--heads", type=int, default=8 if on_gpu else 2)
+    p.add_argument("--max-steps", type=int, default=2000 if on_gpu else 30)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup", type=int, default=100 if on_gpu else 5)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--mask-prob", type=float, default=0.15)
+    p.add_argument("--log-interval", type=int, default=20 if on_gpu else 5)
+    p.add_argument("--eval-interval", type=int, default=200 if on_gpu else 10)
+    p.add_argument("--eval-batches", type=int, default=20 if on_gpu else 2)
+    p.add_argument("--ckpt-interval", type=int, default=500 if on_gpu else 10)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--bench", action="store_true", help="time training steps of a BERT-base-shaped model on random "
+                   "tokens for every --attn path (and Hugging Face's RoFormer when installed), then exit")
+    p.add_argument("--bench-steps", type=int, default=10)
+    p.add_argument("--compare", default=None, metavar="A,B", help="train twice from the same seed with two --attn "
+                   "paths (e.g. torch,fused) and print the largest difference of their loss curves")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="stop (with a checkpoint) after this many steps of this invocation, as an interruption "
+                        "would; --resume continues on the same schedule")
+    args = p.parse_args(argv)
+    if args.seq_len < 8:
+        p.error(f"--seq-len must be at least 8, got {args.seq_len}")
+    if args.hidden % args.heads:
+        p.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    return args
+
+
+def lr_at(step, args):
+    """Linear warmup to --lr, then linear decay to 0 at --max-steps."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    return args.lr * max(0.0, (args.max_steps - step) / max(1, args.max_steps - args.warmup))
+
+
+def save_atomic(obj, path):
+    """Write to a temporary file, then rename: an interrupted save never leaves a corrupt checkpoint."""
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+@torch.no_grad()
+def evaluate(model, eval_batches, args, tokenizer, device, autocast):
+    """Held-out loss and masked accuracy, with the same masks at every evaluation."""
+    model.eval()
+    losses, accs = [], []
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    for ids, mask in eval_batches:
+        inputs, labels = mask_tokens(ids, mask, tokenizer, args.mask_prob, gen)
+        with autocast:
+            loss, acc = model(inputs.to(device), mask.to(device), labels=labels.to(device))
+        losses.append(loss.item())
+        accs.append(acc.item())
+    model.train()
+    return sum(losses) / len(losses), sum(accs) / len(accs)
+
+
+def setup_distributed():
+    """(ddp, rank, world, device): torchrun sets RANK; NCCL on GPUs, gloo on the CPU."""
+    if "RANK" not in os.environ:
+        return False, 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return True, torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.bench:
+        return bench(args)
+    if args.compare:
+        return compare(args, argv)
+    ddp, rank, world, device = setup_distributed()
+    master = rank == 0
+    torch.manual_seed(args.seed + rank)
+    random.seed(args.seed + rank)
+
+    if args.init_from:
+        model = load_hf_checkpoint(args.init_from, args.attn)
+        vocab = os.path.join(args.init_from, "vocab.txt")
+        tokenizer = WordPieceTokenizer(vocab) if os.path.isfile(vocab) else ByteTokenizer()
+    else:
+        tokenizer = ByteTokenizer()
+        cfg = RoFormerConfig(vocab_size=tokenizer.vocab_size, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                             num_attention_heads=args.heads, intermediate_size=4 * args.hidden,
+                             max_position_embeddings=max(args.seq_len, 512), pad_token_id=tokenizer.pad)
+        model = RoFormerForMaskedLM(cfg, args.attn)
+    if args.seq_len > model.freqs.shape[0]:
+        raise SystemExit(f"--seq-len {args.seq_len} is over the model's angle table ({model.freqs.shape[0]} positions)")
+    model.to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]  # no decay on LayerNorm weights and biases
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98),
+                                  eps=1e-6, fused=device.type == "cuda")
+    os.makedirs(args.out, exist_ok=True)
+    ckpt_path, step, seen, history = os.path.join(args.out, "ckpt.pt"), 0, [0] * world, []
+    if args.resume:
+        if not os.path.isfile(ckpt_path):
+            raise SystemExit(f"--resume: no checkpoint at {ckpt_path}")
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        step, seen, history = ckpt["step"], ckpt["seen"], ckpt["history"]
+        if len(seen) != world:
+            raise SystemExit(f"--resume: the checkpoint was written by {len(seen)} ranks, this run has {world}")
+        torch.set_rng_state(ckpt["rng"][rank]["torch"])
+        random.setstate(ckpt["rng"][rank]["python"])
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"].cpu())
+    raw_model = model
+    if ddp:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    train = batches(args.data, tokenizer, args.seq_len, args.batch_size, rank, world, start=seen[rank])
+    eval_batches = list(itertools.islice(batches(args.data, tokenizer, args.seq_len, args.batch_size, 0, 1,
+                                                 held_out=True), args.eval_batches))  # read once, kept
+    if not eval_batches:
+        raise SystemExit(f"--data has too little text for one held-out batch of {args.batch_size} x {args.seq_len}")
+    if master:
+        print(f"RoFormer MLM: {n_params / 1e6:.2f}M parameters, attn={args.attn}, {world} rank(s), device {device}, "
+              f"seq_len {args.seq_len}, batch {args.batch_size} x {args.grad_accum} accumulation x {world}")
+        counts = torch.bincount(torch.cat([ids.flatten() for ids, _ in eval_batches]), minlength=tokenizer.vocab_size)
+        counts[[tokenizer.pad, tokenizer.cls, tokenizer.sep]] = 0
+        print(f"baseline: always predicting the most frequent token ({counts.argmax().item()}) is right on "
+              f"{counts.max().item() / counts.sum().item():.1%} of tokens")
+    peak_flops = 989e12 if device.type == "cuda" else None  # H100/H200 dense bf16
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    t0, stop_at = time.perf_counter(), min(args.max_steps, step + args.stop_after if args.stop_after else args.max_steps)
+    while step < stop_at:
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 101 + rank)  # masks depend on the step
+        loss_sum, acc_sum = 0.0, 0.0
+        for micro in range(args.grad_accum):
+            ids, mask = next(train)
+            seen[rank] += args.batch_size
+            inputs, labels = mask_tokens(ids, mask, tokenizer, args.mask_prob, gen)
+            # DDP averages the gradients across ranks on the last micro-step only
+            with contextlib.nullcontext() if not ddp or micro == args.grad_accum - 1 else model.no_sync():
+                with autocast:
+                    loss, acc = model(inputs.to(device), mask.to(device), labels=labels.to(device))
+                (loss / args.grad_accum).backward()
+            loss_sum, acc_sum = loss_sum + loss.item() / args.grad_accum, acc_sum + acc.item() / args.grad_accum
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if master and sys.stdout.isatty():  # a one-line progress bar between log lines
+            print(f"\r[{'#' * (30 * step // args.max_steps):<30}] step {step}/{args.max_steps}", end="", flush=True)
+        if ddp:  # every rank's data position goes into the checkpoint
+            positions = [torch.zeros(world, dtype=torch.long, device=device)]
+            positions[0][rank] = seen[rank]
+            torch.distributed.all_reduce(positions[0])
+            seen = positions[0].tolist()
+        if master and (step % args.log_interval == 0 or step == args.max_steps):
+            dt = (time.perf_counter() - t0) / args.log_interval
+            t0 = time.perf_counter()
+            flops_per_token = 6 * n_params + 12 * raw_model.cfg.num_hidden_layers * raw_model.cfg.hidden_size * args.seq_len
+            mfu = f"{flops_per_token * tokens_per_step / dt / peak_flops:.1%}" if peak_flops else "n/a"
+            mem = f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if device.type == "cuda" else "n/a"
+            row = dict(step=step, loss=loss_sum, acc=acc_sum, lr=lr, ms=dt * 1e3, tok_s=tokens_per_step / dt)
+            print(f"\rstep {step:5d} | loss {loss_sum:.4f} | masked acc {acc_sum:.3f} | lr {lr:.2e} | {dt * 1e3:.0f} ms/step "
+                  f"| {tokens_per_step / dt:.0f} tok/s | MFU {mfu} | peak {mem}", flush=True)
+            history.append(row)
+        if master and (step % args.eval_interval == 0 or step == args.max_steps):
+            val_loss, val_acc = evaluate(raw_model, eval_batches, args, tokenizer, device, autocast)
+            print(f"step {step:5d} | held-out loss {val_loss:.4f} | held-out masked acc {val_acc:.3f}", flush=True)
+            history.append(dict(step=step, val_loss=val_loss, val_acc=val_acc))
+        if step % args.ckpt_interval == 0 or step == stop_at:
+            rng = dict(torch=torch.get_rng_state(), python=random.getstate(),
+                       cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+            rngs = [None] * world
+            if ddp:
+                torch.distributed.all_gather_object(rngs, rng)
+            else:
+                rngs = [rng]
+            if master:
+                save_atomic(dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(), step=step, seen=seen,
+                                 rng=rngs, history=history, args=vars(args), config=dataclasses.asdict(raw_model.cfg)),
+                            ckpt_path)
+    if master:
+        write_logs(history, args.out)
+    if ddp:
+        torch.distributed.destroy_process_group()
+    return history
+
+
+def compare(args, argv):
+    """Two runs from the same seed, differing only in --attn: their loss curves should agree within
+    the noise of the precision used (bf16 on a GPU)."""
+    paths = args.compare.split(",")
+    if len(paths) != 2 or any(p not in ATTN_PATHS for p in paths):
+        raise SystemExit(f"--compare takes two of {ATTN_PATHS}, comma-separated, got {args.compare!r}")
+    given = list(sys.argv[1:] if argv is None else argv)
+    rest = [a for i, a in enumerate(given)  # the same arguments, without --compare and its value
+            if a != "--compare" and not a.startswith("--compare=") and (i == 0 or given[i - 1] != "--compare")]
+    curves = {}
+    for path in paths:
+        history = main(rest + ["--attn", path, "--out", os.path.join(args.out, "compare-" + path)])
+        curves[path] = {r["step"]: r["loss"] for r in history if "loss" in r}
+    steps = sorted(set(curves[paths[0]]) & set(curves[paths[1]]))
+    diffs = [abs(curves[paths[0]][s] - curves[paths[1]][s]) for s in steps]
+    worst = max(range(len(steps)), key=lambda i: diffs[i])
+    print(f"loss curves of {paths[0]} and {paths[1]} over {len(steps)} logged steps: largest difference "
+          f"{diffs[worst]:.4f} at step {steps[worst]} ({curves[paths[0]][steps[worst]]:.4f} against "
+          f"{curves[paths[1]][steps[worst]]:.4f}); mean difference {sum(diffs) / len(diffs):.4f}")
+    return curves
+
+
+def bench(args):
+    """Tokens/s and peak memory of training steps (forward, backward, AdamW) at the BERT-base shape
+    (12 layers, hidden 768, 12 heads, FFN 3072, vocab 30522; seq 512, batch 32 by default on a GPU)."""
+    ddp, rank, world, device = setup_distributed()
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        cfg = RoFormerConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                             intermediate_size=3072, max_position_embeddings=512, pad_token_id=0)
+        batch, seq = args.batch_size, args.seq_len
+    else:
+        print("NO GPU: a tiny model in Triton's interpreter; the numbers say nothing about speed.")
+        cfg = RoFormerConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                             intermediate_size=64, max_position_embeddings=64, pad_token_id=0)
+        batch, seq = 2, 32
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_gpu else contextlib.nullcontext()
+    gen = torch.Generator().manual_seed(args.seed + rank)
+    ids = torch.randint(1, cfg.vocab_size, (batch, seq), generator=gen)
+    labels = torch.where(torch.rand(batch, seq, generator=gen) < args.mask_prob, ids, -100).to(device)
+    ids, mask = ids.to(device), torch.ones(batch, seq, dtype=torch.bool, device=device)
+    candidates = list(ATTN_PATHS)
+    try:
+        import transformers
+        candidates.append("hf")
+    except ImportError:
+        print("(transformers is not installed: Hugging Face's RoFormerForMaskedLM is not benchmarked)")
+    results = []
+    for name in candidates:
+        torch.manual_seed(args.seed)
+        if name == "hf":
+            hf_cfg = transformers.RoFormerConfig(**{k: v for k, v in dataclasses.asdict(cfg).items()
+                                                    if k != "embedding_size"}, attention_probs_dropout_prob=0.0)
+            model = transformers.RoFormerForMaskedLM(hf_cfg).to(device)
+            step_loss = lambda: model(input_ids=ids, attention_mask=mask.long(), labels=labels).loss  # noqa: E731
+        else:
+            model = RoFormerForMaskedLM(cfg, name).to(device)
+            step_loss = lambda: model(ids, mask, labels=labels)[0]  # noqa: E731
+        if ddp:
+            model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if on_gpu else None)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=on_gpu)
+
+        def train_step():
+            with autocast:
+                loss = step_loss()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        for _ in range(3):  # warm up: compilation, allocator
+            train_step()
+        if on_gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        for _ in range(args.bench_steps):
+            train_step()
+        if on_gpu:
+            torch.cuda.synchronize()
+        dt = (time.perf_counter() - start) / args.bench_steps
+        peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else float("nan")
+        row = dict(attn=name, ms_per_step=dt * 1e3, tokens_per_s=batch * seq * world / dt, peak_gib=peak)
+        results.append(row)
+        if rank == 0:
+            print(f"{name:>7}: {dt * 1e3:8.1f} ms/step  {row['tokens_per_s']:10.0f} tokens/s  peak {peak:.1f} GiB "
+                  f"({world} rank(s), batch {batch} x seq {seq} per rank)", flush=True)
+        del model, optimizer
+        if on_gpu:
+            torch.cuda.empty_cache()
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"bench_{world}rank.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name() if on_gpu else "cpu", world=world, batch=batch,
+                           seq=seq, torch=torch.__version__, results=results), f, indent=1)
+    if ddp:
+        torch.distributed.destroy_process_group()
+    return results
+
+
+def write_logs(history, out):
+    """log.json, log.csv and (with matplotlib) curves.png under --out."""
+    with open(os.path.join(out, "log.json"), "w") as f:
+        json.dump(history, f, indent=1)
+    keys = ["step", "loss", "acc", "val_loss", "val_acc", "lr", "ms", "tok_s"]
+    with open(os.path.join(out, "log.csv"), "w") as f:
+        f.write(",".join(keys) + "\n")
+        for row in history:
+            f.write(",".join(str(row.get(k, "")) for k in keys) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, ax, label in (("loss", ax1, "train loss"), ("val_loss", ax1, "held-out loss"),
+                           ("acc", ax2, "train masked acc"), ("val_acc", ax2, "held-out masked acc")):
+        pts = [(r["step"], r[key]) for r in history if key in r]
+        if pts:
+            ax.plot(*zip(*pts), label=label, marker="." if key.startswith("val") else None)
+    for ax in (ax1, ax2):
+        ax.set_xlabel("step")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "curves.png"), dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""05_train_roformer_mlm.py: faithfulness to Hugging Face's RoFormerForMaskedLM, the attention paths
+agreeing, BERT masking, an exact resume, atomic checkpoints, DDP (gloo on the CPU), bad inputs."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import DEVICE, ON_GPU, ROOT, load
+
+train = load("05_train_roformer_mlm.py")
+TINY = ["--seq-len", "32", "--batch-size", "2", "--layers", "2", "--hidden", "32", "--heads", "2",
+        "--log-interval", "1", "--eval-interval", "4", "--eval-batches", "1", "--ckpt-interval", "100"]
+
+
+def hf_checkpoint(tmp_path, embedding_size=48):
+    transformers = pytest.importorskip("transformers", reason="the faithfulness test needs transformers")
+    torch.manual_seed(0)
+    config = transformers.RoFormerConfig(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=128, max_position_embeddings=64,
+                                         embedding_size=embedding_size)
+    hf = transformers.RoFormerForMaskedLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    return hf
+
+
+@pytest.mark.parametrize("attn", ["torch", "naive", "triton"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_logits_equal_hugging_face(tmp_path, attn, padded):
+    hf = hf_checkpoint(tmp_path)
+    ours = train.load_hf_checkpoint(str(tmp_path), attn).eval()
+    ids = torch.randint(0, 120, (2, 40))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    if padded:
+        mask[1, 25:] = 0
+    types = torch.randint(0, 2, (2, 40))
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+        got = ours.to(DEVICE)(ids.to(DEVICE), mask.to(DEVICE), types.to(DEVICE)).cpu()
+    rel = ((got - expected).abs().max() / expected.abs().max()).item()
+    assert rel <= 1e-4, f"relative error {rel:.2e}"
+
+
+def test_other_architecture_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 64}))
+    with pytest.raises(ValueError, match="not a RoFormer checkpoint"):
+        train.load_hf_checkpoint(str(tmp_path), "torch")
+
+
+def test_attention_paths_agree():
+    torch.manual_seed(0)
+    cfg = train.RoFormerConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                               max_position_embeddings=64, hidden_dropout_prob=0.0)
+    ids = torch.randint(0, 256, (2, 33), device=DEVICE)
+    mask = torch.ones(2, 33, dtype=torch.bool, device=DEVICE)
+    mask[0, 20:] = False
+    state, logits = None, {}
+    for attn in train.ATTN_PATHS:
+        model = train.RoFormerForMaskedLM(cfg, attn).to(DEVICE)
+        state = state or model.state_dict()
+        model.load_state_dict(state)
+        logits[attn] = model(ids, mask)
+    for attn in ("naive", "triton"):
+        torch.testing.assert_close(logits[attn], logits["torch"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits["fused"], logits["torch"], rtol=2e-2, atol=2e-2)  # fp16 attention
+
+
+def test_masking_follows_bert():
+    tok = train.ByteTokenizer()
+    ids = torch.randint(0, 256, (64, 128))
+    ids[:, 0], ids[:, -1] = tok.cls, tok.sep
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[:, 100:] = False
+    inputs, labels = train.mask_tokens(ids, mask, tok, 0.15, torch.Generator().manual_seed(0))
+    chosen = labels != -100
+    assert not chosen[:, 0].any() and not chosen[:, -1].any() and not chosen[:, 100:].any()  # never special/padding
+    assert (labels[chosen] == ids[chosen]).all()
+    assert abs(chosen[:, 1:100].float().mean().item() - 0.15) < 0.01
+    frac_mask = (inputs[chosen] == tok.mask).float().mean().item()
+    frac_same = (inputs[chosen] == ids[chosen]).float().mean().item()
+    assert abs(frac_mask - 0.8) < 0.03 and abs(frac_same - 0.1) < 0.03  # the other ~10%: random tokens
+    assert (inputs[~chosen] == ids[~chosen]).all()
+
+
+def test_resume_gives_the_same_loss_curve(tmp_path):
+    common = TINY + ["--max-steps", "8", "--grad-accum", "2"]
+    straight = train.main(["--out", str(tmp_path / "a")] + common)
+    train.main(["--out", str(tmp_path / "b"), "--stop-after", "3"] + common)
+    resumed = train.main(["--out", str(tmp_path / "b"), "--resume"] + common)
+    losses = lambda h: [(r["step"], r["loss"]) for r in h if "loss" in r]  # noqa: E731
+    assert len(losses(straight)) == 8
+    assert losses(resumed) == losses(straight)  # bit for bit
+    assert [r for r in straight if "val_loss" in r] == [r for r in resumed if "val_loss" in r]
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt.pt")
+    train.save_atomic({"step": 1}, path)
+
+    def failing_save(obj, f):
+        with open(f, "wb") as fh:
+            fh.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(KeyboardInterrupt):
+        train.save_atomic({"step": 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path)["step"] == 1
+
+
+def test_data_formats_and_bad_inputs(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("hello world " * 200)
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": f"document {i} " * 40}) for i in range(30)))
+    for data in (tmp_path / "docs", tmp_path / "c.jsonl"):
+        texts = list(train.documents(str(data)))
+        assert texts and all(isinstance(t, str) for t in texts)
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
+        list(train.documents(str(tmp_path / "missing")))
+    # a checkpoint whose angle table is shorter than --seq-len (written by us, in Hugging Face's format)
+    cfg = train.RoFormerConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                               max_position_embeddings=64)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    torch.save(train.RoFormerForMaskedLM(cfg).state_dict(), ckpt / "pytorch_model.bin")
+    (ckpt / "config.json").write_text(json.dumps(dict(model_type="roformer", **cfg.__dict__)))
+    with pytest.raises(SystemExit, match="over the model's angle table"):
+        train.main(["--out", str(tmp_path / "o"), "--init-from", str(ckpt), "--seq-len", "128"])
+    with pytest.raises(SystemExit, match="too little text"):
+        train.main(["--out", str(tmp_path / "o"), "--data", str(tmp_path / "docs" / "a.txt"), "--max-steps", "1",
+                    "--batch-size", "64", "--seq-len", "512"])
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU run of the default script; on a GPU it trains for minutes")
+def test_default_run_writes_logs_and_a_checkpoint(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "05_train_roformer_mlm.py"), "--out", str(tmp_path),
+                             "--max-steps", "6", "--log-interval", "3", "--eval-interval", "6"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "baseline" in result.stdout and "held-out loss" in result.stdout
+    assert {"ckpt.pt", "log.json", "log.csv"} <= set(os.listdir(tmp_path))
+
+
+@pytest.mark.skipif(ON_GPU or shutil.which("torchrun") is None, reason="DDP over gloo on the CPU")
+def test_ddp_two_ranks_on_cpu(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(["torchrun", "--nproc_per_node=2", "--master_port=29531", str(ROOT / "05_train_roformer_mlm.py"),
+                             "--out", str(tmp_path), "--max-steps", "4"] + TINY, capture_output=True, text=True,
+                            timeout=600, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 rank(s)" in result.stdout
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["seen"] == [8, 8]  # 4 steps x batch 2, per rank
+
+
+def test_compare_two_paths_from_the_same_seed(tmp_path, capsys):
+    curves = train.main(["--compare", "torch,triton", "--out", str(tmp_path), "--max-steps", "3"] + TINY)
+    assert set(curves) == {"torch", "triton"} and len(curves["torch"]) == 3
+    for step, loss in curves["torch"].items():  # fp32 on the CPU: the same up to rounding
+        assert abs(loss - curves["triton"][step]) < 1e-4
+    assert "largest difference" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU --bench times the BERT-base shape; run it by hand")
+def test_bench_runs_every_path(tmp_path):
+    results = train.main(["--bench", "--bench-steps", "1", "--out", str(tmp_path)])
+    assert [r["attn"] for r in results][:4] == list(train.ATTN_PATHS)
+    assert all(r["tokens_per_s"] > 0 for r in results)
+    assert (tmp_path / "bench_1rank.json").exists()
