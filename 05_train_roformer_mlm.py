@@ -561,6 +561,8 @@ def main(argv=None):
 def compare(args, argv):
     """Two runs from the same seed, differing only in --attn: their loss curves should agree within
     the noise of the precision used (bf16 on a GPU)."""
+    if "RANK" in os.environ:
+        raise SystemExit("--compare runs its two trainings one after the other in one process: run it without torchrun")
     paths = args.compare.split(",")
     if len(paths) != 2 or any(p not in ATTN_PATHS for p in paths):
         raise SystemExit(f"--compare takes two of {ATTN_PATHS}, comma-separated, got {args.compare!r}")

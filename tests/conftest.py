@@ -48,3 +48,16 @@ def make_view(shape, dtype, view, generator=None):
     if view == "strided_d":
         return torch.randn(*shape[:-1], 2 * shape[-1], **kw)[..., ::2]
     raise ValueError(view)
+
+
+def logical_shape(fmt, b, s, h, d):
+    """The shape of b sequences of s tokens, h heads of dim d, in layout fmt."""
+    return {"sbhd": (s, b, h, d), "bshd": (b, s, h, d), "thd": (b * s, h, d)}[fmt]
+
+
+def random_cu_seqlens(b, total, with_empty=False):
+    """b sequences of random lengths summing to total (one of them empty if asked)."""
+    cuts = torch.sort(torch.randint(0, total + 1, (b - 1,))).values
+    if with_empty:
+        cuts[0] = cuts[1] if b > 2 else 0
+    return torch.cat([torch.tensor([0]), cuts, torch.tensor([total])]).to(torch.int32).to(DEVICE)

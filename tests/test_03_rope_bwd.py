@@ -4,23 +4,12 @@ graph breaks, autocast, and the errors. CPU runs small shapes in the interpreter
 import pytest
 import torch
 
-from conftest import DEVICE, ON_GPU, load, make_view
+from conftest import DEVICE, ON_GPU, load, logical_shape, make_view, random_cu_seqlens
 
 rope = load("03_rope_bwd.py")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 B, S, H = (3, 300, 7) if ON_GPU else (2, 9, 3)
 
-
-def logical_shape(fmt, b, s, h, d):
-    return {"sbhd": (s, b, h, d), "bshd": (b, s, h, d), "thd": (b * s, h, d)}[fmt]
-
-
-def random_cu_seqlens(b, total, with_empty=False):
-    """b sequences of random lengths summing to total (one of them empty if asked)."""
-    cuts = torch.sort(torch.randint(0, total + 1, (b - 1,))).values
-    if with_empty:
-        cuts[0] = cuts[1] if b > 2 else 0
-    return torch.cat([torch.tensor([0]), cuts, torch.tensor([total])]).to(torch.int32).to(DEVICE)
 
 
 def make_inputs(fmt, d, d2, dtype, view, with_start, b=B, s=S, h=H):
