@@ -264,9 +264,10 @@ class WordPieceTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
 
-def documents(path):
+def documents(path, block_chars=1 << 20):
     """Texts from a file, a folder of .txt, JSON lines with a "text" field, or (path None) the Python
-    standard library's own source, found at run time. Streamed: one document at a time."""
+    standard library's own source, found at run time. Streamed: pieces of at most about block_chars
+    characters (whole lines), then None at the end of each document."""
     if path is None:
         root = sysconfig.get_paths()["stdlib"]
         files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
@@ -282,19 +283,33 @@ def documents(path):
     for name in files:
         with open(name, encoding="utf-8", errors="replace") as f:
             if name.endswith((".jsonl", ".json")):
-                for line in f:
+                for n, line in enumerate(f, 1):
                     if line.strip():
-                        yield json.loads(line)["text"]
-            else:
-                yield f.read()
+                        try:
+                            yield json.loads(line)["text"]
+                        except (ValueError, KeyError, TypeError):
+                            raise ValueError(f"{name}, line {n}: not a JSON object with a 'text' field")
+                        yield None
+                continue
+            piece, size = [], 0
+            for line in f:  # a file of any size, never read whole
+                piece.append(line)
+                size += len(line)
+                if size >= block_chars:
+                    yield "".join(piece)
+                    piece, size = [], 0
+            yield "".join(piece)
+            yield None
 
 
 def sequences(data, tokenizer, seq_len):
     """Packed token sequences of exactly seq_len (the last one padded) and their real lengths."""
     body, buf = seq_len - 2, []
-    for doc in documents(data):
-        buf.extend(tokenizer.encode(doc))
-        buf.append(tokenizer.sep)
+    for piece in documents(data):
+        if piece is None:  # the end of a document
+            buf.append(tokenizer.sep)
+        else:
+            buf.extend(tokenizer.encode(piece))
         while len(buf) >= body:
             yield [tokenizer.cls] + buf[:body] + [tokenizer.sep], seq_len
             buf = buf[body:]
@@ -398,6 +413,16 @@ def lr_at(step, args):
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     return args.lr * max(0.0, (args.max_steps - step) / max(1, args.max_steps - args.warmup))
+
+
+@contextlib.contextmanager
+def out_of_memory_advice(args):
+    """A batch that does not fit gets a clear message, not a stack trace from deep inside autograd."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError:
+        raise SystemExit(f"out of GPU memory with --batch-size {args.batch_size} and --seq-len {args.seq_len}: "
+                         f"lower --batch-size and raise --grad-accum to keep the tokens per step") from None
 
 
 def save_atomic(obj, path):
@@ -509,7 +534,8 @@ def main(argv=None):
             seen[rank] += args.batch_size
             inputs, labels = mask_tokens(ids, mask, tokenizer, args.mask_prob, gen)
             # DDP averages the gradients across ranks on the last micro-step only
-            with contextlib.nullcontext() if not ddp or micro == args.grad_accum - 1 else model.no_sync():
+            with contextlib.nullcontext() if not ddp or micro == args.grad_accum - 1 else model.no_sync(), \
+                    out_of_memory_advice(args):
                 with autocast:
                     loss, acc = model(inputs.to(device), mask.to(device), labels=labels.to(device))
                 (loss / args.grad_accum).backward()
@@ -628,8 +654,9 @@ def bench(args):
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        for _ in range(3):  # warm up: compilation, allocator
-            train_step()
+        with out_of_memory_advice(args):
+            for _ in range(3):  # warm up: compilation, allocator
+                train_step()
         if on_gpu:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

@@ -116,8 +116,9 @@ def test_data_formats_and_bad_inputs(tmp_path):
     (tmp_path / "docs" / "a.txt").write_text("hello world " * 200)
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": f"document {i} " * 40}) for i in range(30)))
     for data in (tmp_path / "docs", tmp_path / "c.jsonl"):
-        texts = list(train.documents(str(data)))
-        assert texts and all(isinstance(t, str) for t in texts)
+        pieces = list(train.documents(str(data)))  # text, then None at each document's end
+        assert pieces[-1] is None and all(isinstance(p, str) for p in pieces if p is not None)
+        assert sum(p is None for p in pieces) == (1 if data.name == "docs" else 30)
     with pytest.raises(FileNotFoundError, match="no such file or folder"):
         list(train.documents(str(tmp_path / "missing")))
     # a checkpoint whose angle table is shorter than --seq-len (written by us, in Hugging Face's format)
@@ -169,3 +170,29 @@ def test_bench_runs_every_path(tmp_path):
     assert [r["attn"] for r in results][:4] == list(train.ATTN_PATHS)
     assert all(r["tokens_per_s"] > 0 for r in results)
     assert (tmp_path / "bench_1rank.json").exists()
+
+
+def test_a_batch_that_does_not_fit_gets_advice(tmp_path, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    monkeypatch.setattr(train.RoFormerForMaskedLM, "forward", out_of_memory)
+    with pytest.raises(SystemExit, match="lower --batch-size and raise --grad-accum"):
+        train.main(["--out", str(tmp_path), "--max-steps", "1"] + TINY)
+
+
+def test_large_text_files_are_streamed_in_pieces(tmp_path):
+    (tmp_path / "big.txt").write_text("a line of text\n" * 1000)
+    pieces = list(train.documents(str(tmp_path / "big.txt"), block_chars=1000))
+    assert pieces[-1] is None and len(pieces) > 10 and max(len(p) for p in pieces[:-1]) < 1100
+    assert "".join(pieces[:-1]) == "a line of text\n" * 1000
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"txt": "no text field"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl, line 2: not a JSON object with a 'text' field"):
+        list(train.documents(str(tmp_path / "bad.jsonl")))
+
+
+def test_wordpiece_vocab_from_a_checkpoint(tmp_path):
+    pytest.importorskip("tokenizers", reason="a checkpoint's vocab.txt needs the tokenizers package")
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world", "##s"]))
+    tok = train.WordPieceTokenizer(str(tmp_path / "vocab.txt"))
+    assert (tok.pad, tok.cls, tok.sep, tok.mask, tok.vocab_size) == (0, 2, 3, 4, 8)
+    assert tok.encode("hello worlds") == [5, 6, 7]
