@@ -242,7 +242,8 @@ PAD, CLS, SEP, MASK = 256, 257, 258, 259
 
 
 class ByteTokenizer:
-    vocab_size, pad, cls, sep, mask, n_special = 260, PAD, CLS, SEP, MASK, 4
+    vocab_size, pad, cls, sep, mask = 260, PAD, CLS, SEP, MASK
+    n_regular = 256  # masking's random replacements are drawn from ids below this (bytes, no specials)
 
     def encode(self, text):
         return list(text.encode("utf-8", errors="replace"))
@@ -259,6 +260,7 @@ class WordPieceTokenizer:
         self.tok = BertWordPieceTokenizer(vocab_path, lowercase=False)
         ids = {t: self.tok.token_to_id(t) for t in ("[PAD]", "[CLS]", "[SEP]", "[MASK]")}
         self.vocab_size, (self.pad, self.cls, self.sep, self.mask) = self.tok.get_vocab_size(), ids.values()
+        self.n_regular = self.vocab_size  # as BERT: a random replacement may be any id
 
     def encode(self, text):
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -353,8 +355,7 @@ def mask_tokens(input_ids, attention_mask, tokenizer, mask_prob, generator):
     chosen = (torch.rand(input_ids.shape, generator=generator) < mask_prob) & ~special
     labels = torch.where(chosen, input_ids, -100)
     r = torch.rand(input_ids.shape, generator=generator)
-    random_tokens = torch.randint(0, tokenizer.vocab_size - tokenizer.n_special if isinstance(tokenizer, ByteTokenizer)
-                                  else tokenizer.vocab_size, input_ids.shape, generator=generator)
+    random_tokens = torch.randint(0, tokenizer.n_regular, input_ids.shape, generator=generator)
     inputs = torch.where(chosen & (r < 0.8), tokenizer.mask, input_ids)
     inputs = torch.where(chosen & (r >= 0.8) & (r < 0.9), random_tokens, inputs)
     return inputs, labels
@@ -531,7 +532,7 @@ def main(argv=None):
         loss_sum, acc_sum = 0.0, 0.0
         for micro in range(args.grad_accum):
             ids, mask = next(train)
-            seen[rank] += args.batch_size
+            seen = [n + args.batch_size for n in seen]  # every rank reads a batch: no need to ask the others
             inputs, labels = mask_tokens(ids, mask, tokenizer, args.mask_prob, gen)
             # DDP averages the gradients across ranks on the last micro-step only
             with contextlib.nullcontext() if not ddp or micro == args.grad_accum - 1 else model.no_sync(), \
@@ -546,11 +547,6 @@ def main(argv=None):
         step += 1
         if master and sys.stdout.isatty():  # a one-line progress bar between log lines
             print(f"\r[{'#' * (30 * step // args.max_steps):<30}] step {step}/{args.max_steps}", end="", flush=True)
-        if ddp:  # every rank's data position goes into the checkpoint
-            positions = [torch.zeros(world, dtype=torch.long, device=device)]
-            positions[0][rank] = seen[rank]
-            torch.distributed.all_reduce(positions[0])
-            seen = positions[0].tolist()
         if master and (step % args.log_interval == 0 or step == args.max_steps):
             dt = (time.perf_counter() - t0) / args.log_interval
             t0 = time.perf_counter()
