@@ -22,6 +22,7 @@ no download), ``--help`` for the options. It loads 01-04 from beside this file.
 import argparse
 import contextlib
 import dataclasses
+import gc
 import importlib.util
 import itertools
 import json
@@ -462,11 +463,21 @@ def setup_distributed():
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.bench:
-        return bench(args)
     if args.compare:
         return compare(args, argv)
     ddp, rank, world, device = setup_distributed()
+    result = (bench if args.bench else train)(args, ddp, rank, world, device)
+    if ddp:
+        # Leave together, and only once nothing holds the group: DDP's reducer keeps a reference to it, and a
+        # gloo group torn down while one rank is still working (or at interpreter exit) can abort the process.
+        torch.distributed.barrier()
+        gc.collect()
+        torch.distributed.destroy_process_group()
+    return result
+
+
+def train(args, ddp, rank, world, device):
+    """The training loop; returns the logged history (list of dicts)."""
     master = rank == 0
     torch.manual_seed(args.seed + rank)
     random.seed(args.seed + rank)
@@ -509,7 +520,7 @@ def main(argv=None):
     if ddp:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-    train = batches(args.data, tokenizer, args.seq_len, args.batch_size, rank, world, start=seen[rank])
+    train_batches = batches(args.data, tokenizer, args.seq_len, args.batch_size, rank, world, start=seen[rank])
     eval_batches = list(itertools.islice(batches(args.data, tokenizer, args.seq_len, args.batch_size, 0, 1,
                                                  held_out=True), args.eval_batches))  # read once, kept
     if not eval_batches:
@@ -531,7 +542,7 @@ def main(argv=None):
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 101 + rank)  # masks depend on the step
         loss_sum, acc_sum = 0.0, 0.0
         for micro in range(args.grad_accum):
-            ids, mask = next(train)
+            ids, mask = next(train_batches)
             seen = [n + args.batch_size for n in seen]  # every rank reads a batch: no need to ask the others
             inputs, labels = mask_tokens(ids, mask, tokenizer, args.mask_prob, gen)
             # DDP averages the gradients across ranks on the last micro-step only
@@ -575,8 +586,6 @@ def main(argv=None):
                             ckpt_path)
     if master:
         write_logs(history, args.out)
-    if ddp:
-        torch.distributed.destroy_process_group()
     return history
 
 
@@ -604,17 +613,17 @@ def compare(args, argv):
     return curves
 
 
-def bench(args):
+def bench(args, ddp, rank, world, device):
     """Tokens/s and peak memory of training steps (forward, backward, AdamW) at the BERT-base shape
     (12 layers, hidden 768, 12 heads, FFN 3072, vocab 30522; seq 512, batch 32 by default on a GPU)."""
-    ddp, rank, world, device = setup_distributed()
     on_gpu = device.type == "cuda"
     if on_gpu:
         cfg = RoFormerConfig(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                              intermediate_size=3072, max_position_embeddings=512, pad_token_id=0)
         batch, seq = args.batch_size, args.seq_len
     else:
-        print("NO GPU: a tiny model in Triton's interpreter; the numbers say nothing about speed.")
+        if rank == 0:
+            print("NO GPU: a tiny model in Triton's interpreter; the numbers say nothing about speed.")
         cfg = RoFormerConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                              intermediate_size=64, max_position_embeddings=64, pad_token_id=0)
         batch, seq = 2, 32
@@ -676,8 +685,6 @@ def bench(args):
         with open(os.path.join(args.out, f"bench_{world}rank.json"), "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name() if on_gpu else "cpu", world=world, batch=batch,
                            seq=seq, torch=torch.__version__, results=results), f, indent=1)
-    if ddp:
-        torch.distributed.destroy_process_group()
     return results
 
 

@@ -148,7 +148,7 @@ def test_default_run_writes_logs_and_a_checkpoint(tmp_path):
 @pytest.mark.skipif(ON_GPU or shutil.which("torchrun") is None, reason="DDP over gloo on the CPU")
 def test_ddp_two_ranks_on_cpu(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(["torchrun", "--nproc_per_node=2", "--master_port=29531", str(ROOT / "05_train_roformer_mlm.py"),
+    result = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(ROOT / "05_train_roformer_mlm.py"),
                              "--out", str(tmp_path), "--max-steps", "4"] + TINY, capture_output=True, text=True,
                             timeout=600, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
