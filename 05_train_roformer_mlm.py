@@ -417,6 +417,28 @@ def lr_at(step, args):
     return args.lr * max(0.0, (args.max_steps - step) / max(1, args.max_steps - args.warmup))
 
 
+def flops_per_token(n_params, cfg, seq_len):
+    """Model FLOPs of one trained token: 6 per parameter (forward + backward) plus attention's
+    QK^T and PV, 12 * layers * hidden * seq_len (PaLM's appendix B)."""
+    return 6 * n_params + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+
+
+def matmul_tflops(device):
+    """The yardstick for MFU, measured in this run: a bf16 8192^3 matmul's TF/s (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * 8192**3 * 20 / (start.elapsed_time(end) * 1e-3) / 1e12
+
+
 @contextlib.contextmanager
 def out_of_memory_advice(args):
     """A batch that does not fit gets a clear message, not a stack trace from deep inside autograd."""
@@ -518,7 +540,8 @@ def train(args, ddp, rank, world, device):
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"].cpu())
     raw_model = model
     if ddp:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                                    gradient_as_bucket_view=True)  # no copy into buckets
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     train_batches = batches(args.data, tokenizer, args.seq_len, args.batch_size, rank, world, start=seen[rank])
     eval_batches = list(itertools.islice(batches(args.data, tokenizer, args.seq_len, args.batch_size, 0, 1,
@@ -532,7 +555,9 @@ def train(args, ddp, rank, world, device):
         counts[[tokenizer.pad, tokenizer.cls, tokenizer.sep]] = 0
         print(f"baseline: always predicting the most frequent token ({counts.argmax().item()}) is right on "
               f"{counts.max().item() / counts.sum().item():.1%} of tokens")
-    peak_flops = 989e12 if device.type == "cuda" else None  # H100/H200 dense bf16
+    matmul_rate = matmul_tflops(device)
+    if master and matmul_rate:
+        print(f"MFU below: model FLOPs over the bf16 matmul rate measured now ({matmul_rate:.0f} TF/s)")
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
     t0, stop_at = time.perf_counter(), min(args.max_steps, step + args.stop_after if args.stop_after else args.max_steps)
     while step < stop_at:
@@ -551,7 +576,8 @@ def train(args, ddp, rank, world, device):
                 with autocast:
                     loss, acc = model(inputs.to(device), mask.to(device), labels=labels.to(device))
                 (loss / args.grad_accum).backward()
-            loss_sum, acc_sum = loss_sum + loss.item() / args.grad_accum, acc_sum + acc.item() / args.grad_accum
+            # summed on the device: a .item() here would make the host wait for the GPU every micro-step
+            loss_sum, acc_sum = loss_sum + loss.detach() / args.grad_accum, acc_sum + acc / args.grad_accum
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -559,10 +585,11 @@ def train(args, ddp, rank, world, device):
         if master and sys.stdout.isatty():  # a one-line progress bar between log lines
             print(f"\r[{'#' * (30 * step // args.max_steps):<30}] step {step}/{args.max_steps}", end="", flush=True)
         if master and (step % args.log_interval == 0 or step == args.max_steps):
+            loss_sum, acc_sum = loss_sum.item(), acc_sum.item()  # waits for the GPU: the time below is its time
             dt = (time.perf_counter() - t0) / args.log_interval
             t0 = time.perf_counter()
-            flops_per_token = 6 * n_params + 12 * raw_model.cfg.num_hidden_layers * raw_model.cfg.hidden_size * args.seq_len
-            mfu = f"{flops_per_token * tokens_per_step / dt / peak_flops:.1%}" if peak_flops else "n/a"
+            tflops = flops_per_token(n_params, raw_model.cfg, args.seq_len) * tokens_per_step / dt / 1e12
+            mfu = f"{tflops / matmul_rate:.1%}" if matmul_rate else "n/a"
             mem = f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if device.type == "cuda" else "n/a"
             row = dict(step=step, loss=loss_sum, acc=acc_sum, lr=lr, ms=dt * 1e3, tok_s=tokens_per_step / dt)
             print(f"\rstep {step:5d} | loss {loss_sum:.4f} | masked acc {acc_sum:.3f} | lr {lr:.2e} | {dt * 1e3:.0f} ms/step "
@@ -632,6 +659,11 @@ def bench(args, ddp, rank, world, device):
     ids = torch.randint(1, cfg.vocab_size, (batch, seq), generator=gen)
     labels = torch.where(torch.rand(batch, seq, generator=gen) < args.mask_prob, ids, -100).to(device)
     ids, mask = ids.to(device), torch.ones(batch, seq, dtype=torch.bool, device=device)
+    n_params = sum(p.numel() for p in RoFormerForMaskedLM(cfg).parameters())
+    matmul_rate = matmul_tflops(device)
+    if rank == 0:
+        print(f"{n_params / 1e6:.1f}M parameters, {world} rank(s), batch {batch} x seq {seq} per rank"
+              + (f"; yardstick: a bf16 matmul runs at {matmul_rate:.0f} TF/s on this GPU" if matmul_rate else ""))
     candidates = list(ATTN_PATHS)
     try:
         import transformers
@@ -650,7 +682,8 @@ def bench(args, ddp, rank, world, device):
             model = RoFormerForMaskedLM(cfg, name).to(device)
             step_loss = lambda: model(ids, mask, labels=labels)[0]  # noqa: E731
         if ddp:
-            model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if on_gpu else None)
+            model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if on_gpu else None,
+                                                    gradient_as_bucket_view=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=on_gpu)
 
         def train_step():
@@ -672,19 +705,28 @@ def bench(args, ddp, rank, world, device):
             torch.cuda.synchronize()
         dt = (time.perf_counter() - start) / args.bench_steps
         peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else float("nan")
-        row = dict(attn=name, ms_per_step=dt * 1e3, tokens_per_s=batch * seq * world / dt, peak_gib=peak)
+        tokens_per_s = batch * seq * world / dt
+        row = dict(attn=name, ms_per_step=dt * 1e3, tokens_per_s=tokens_per_s, peak_gib=peak,
+                   model_tflops_per_gpu=flops_per_token(n_params, cfg, seq) * tokens_per_s / world / 1e12)
         results.append(row)
         if rank == 0:
-            print(f"{name:>7}: {dt * 1e3:8.1f} ms/step  {row['tokens_per_s']:10.0f} tokens/s  peak {peak:.1f} GiB "
-                  f"({world} rank(s), batch {batch} x seq {seq} per rank)", flush=True)
+            of_matmul = f" ({row['model_tflops_per_gpu'] / matmul_rate:.0%} of matmul)" if matmul_rate else ""
+            print(f"{name:>7}: {dt * 1e3:8.1f} ms/step {tokens_per_s:10.0f} tokens/s  peak {peak:5.1f} GiB  "
+                  f"{row['model_tflops_per_gpu']:6.1f} model TF/s per GPU{of_matmul}", flush=True)
         del model, optimizer
         if on_gpu:
             torch.cuda.empty_cache()
     if rank == 0:
+        by = {r["attn"]: r for r in results}
+        for base in ("hf", "triton"):
+            if base in by:
+                memory = f", {by['fused']['peak_gib'] / by[base]['peak_gib']:.0%} of the peak memory" if on_gpu else ""
+                print(f"fused against {base}: {by['fused']['tokens_per_s'] / by[base]['tokens_per_s']:.2f}x the "
+                      f"tokens/s{memory}")
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"bench_{world}rank.json"), "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name() if on_gpu else "cpu", world=world, batch=batch,
-                           seq=seq, torch=torch.__version__, results=results), f, indent=1)
+                           seq=seq, torch=torch.__version__, matmul_tflops=matmul_rate, results=results), f, indent=1)
     return results
 
 
