@@ -99,7 +99,11 @@ class RoFormerSelfAttention(nn.Module):
 
     def forward(self, x, freqs, mask):
         b, s, hidden = x.shape
-        q, k, v = (lin(x).view(b, s, self.heads, hidden // self.heads) for lin in (self.query, self.key, self.value))
+        # One matmul for q, k and v (the checkpoint keeps three Linear layers): x is read, cast to bf16
+        # under autocast and saved for the backward once instead of three times.
+        weight = torch.cat((self.query.weight, self.key.weight, self.value.weight))
+        bias = torch.cat((self.query.bias, self.key.bias, self.value.bias))
+        q, k, v = F.linear(x, weight, bias).view(b, s, 3, self.heads, hidden // self.heads).unbind(2)
         if self.attn == "fused":  # 04: RoPE inside the attention kernel (fp16/bf16 only)
             dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float16
             out = fused.rope_attention(q.to(dtype), k.to(dtype), v.to(dtype), freqs, attention_mask=mask,
