@@ -98,6 +98,8 @@ class RoFormerSelfAttention(nn.Module):
         self.query, self.key, self.value = (nn.Linear(cfg.hidden_size, cfg.hidden_size) for _ in range(3))
 
     def forward(self, x, freqs, mask):
+        """mask: [b, s], 1 = a real token, or None when there is no padding (packed text): every path
+        then runs without one (SDPA can pick its flash backend, 04 its unmasked kernel)."""
         b, s, hidden = x.shape
         # One matmul for q, k and v (the checkpoint keeps three Linear layers): x is read, cast to bf16
         # under autocast and saved for the backward once instead of three times.
@@ -112,7 +114,8 @@ class RoFormerSelfAttention(nn.Module):
         if self.attn == "torch":  # eager PyTorch, as Hugging Face writes it
             q, k = (rope_bwd.rope_reference(t, freqs, "bshd", interleaved=True, compute_dtype=None) for t in (q, k))
             scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
-            scores = scores.masked_fill(~mask.bool()[:, None, None, :], torch.finfo(scores.dtype).min)
+            if mask is not None:
+                scores = scores.masked_fill(~mask.bool()[:, None, None, :], torch.finfo(scores.dtype).min)
             out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
             return out.reshape(b, s, hidden)
         if self.attn == "naive":  # 01: three passes over memory
@@ -122,7 +125,7 @@ class RoFormerSelfAttention(nn.Module):
         else:  # evaluation: 02's forward-only kernel
             q, k = rope_fwd.rope_fwd_qk(q, k, freqs, "bshd", interleaved=True)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask.bool()[:, None, None, :])
+                                             attn_mask=None if mask is None else mask.bool()[:, None, None, :])
         return out.transpose(1, 2).reshape(b, s, hidden)
 
 
@@ -191,7 +194,6 @@ class RoFormerForMaskedLM(nn.Module):
         b, s = input_ids.shape
         if s > self.freqs.shape[0]:
             raise ValueError(f"sequence length {s} is over max_position_embeddings = {self.freqs.shape[0]}")
-        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         e = self.roformer.embeddings
         x = e.word_embeddings(input_ids) + e.token_type_embeddings(
             token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids))
@@ -199,7 +201,7 @@ class RoFormerForMaskedLM(nn.Module):
         if hasattr(self.roformer, "embeddings_project"):
             x = self.roformer.embeddings_project(x)
         for layer in self.roformer.encoder.layer:
-            x = layer(x, self.freqs, mask)
+            x = layer(x, self.freqs, attention_mask)
         if labels is not None:
             x, labels = x[labels != -100], labels[labels != -100]
         p = self.cls.predictions
@@ -353,6 +355,13 @@ def batches(data, tokenizer, seq_len, batch_size, rank, world, start=0, held_out
             raise ValueError(f"--data has too little text: rank {rank} of {world} gets no sequence of {seq_len} tokens")
 
 
+def device_mask(attention_mask, device):
+    """The batch's padding mask on the device, or None when it has no padding: packed text has none
+    but in its last sequence, and Hugging Face drops an all-ones mask the same way for SDPA. The
+    check costs nothing: the mask is still on the host."""
+    return None if bool(attention_mask.all()) else attention_mask.to(device)
+
+
 def mask_tokens(input_ids, attention_mask, tokenizer, mask_prob, generator):
     """BERT masking: mask_prob of the real, non-special tokens are chosen; of those 80% become
     [MASK], 10% a random token, 10% stay. Returns (inputs, labels) with -100 where not chosen."""
@@ -469,7 +478,7 @@ def evaluate(model, eval_batches, args, tokenizer, device, autocast):
     for ids, mask in eval_batches:
         inputs, labels = mask_tokens(ids, mask, tokenizer, args.mask_prob, gen)
         with autocast:
-            loss, acc = model(inputs.to(device), mask.to(device), labels=labels.to(device))
+            loss, acc = model(inputs.to(device), device_mask(mask, device), labels=labels.to(device))
         losses.append(loss.item())
         accs.append(acc.item())
     model.train()
@@ -578,7 +587,7 @@ def train(args, ddp, rank, world, device):
             with contextlib.nullcontext() if not ddp or micro == args.grad_accum - 1 else model.no_sync(), \
                     out_of_memory_advice(args):
                 with autocast:
-                    loss, acc = model(inputs.to(device), mask.to(device), labels=labels.to(device))
+                    loss, acc = model(inputs.to(device), device_mask(mask, device), labels=labels.to(device))
                 (loss / args.grad_accum).backward()
             # summed on the device: a .item() here would make the host wait for the GPU every micro-step
             loss_sum, acc_sum = loss_sum + loss.detach() / args.grad_accum, acc_sum + acc / args.grad_accum
@@ -662,7 +671,7 @@ def bench(args, ddp, rank, world, device):
     gen = torch.Generator().manual_seed(args.seed + rank)
     ids = torch.randint(1, cfg.vocab_size, (batch, seq), generator=gen)
     labels = torch.where(torch.rand(batch, seq, generator=gen) < args.mask_prob, ids, -100).to(device)
-    ids, mask = ids.to(device), torch.ones(batch, seq, dtype=torch.bool, device=device)
+    ids = ids.to(device)  # packed text: no padding, so no mask (device_mask), for Hugging Face's model too
     n_params = sum(p.numel() for p in RoFormerForMaskedLM(cfg).parameters())
     matmul_rate = matmul_tflops(device)
     if rank == 0:
@@ -681,10 +690,10 @@ def bench(args, ddp, rank, world, device):
             hf_cfg = transformers.RoFormerConfig(**{k: v for k, v in dataclasses.asdict(cfg).items()
                                                     if k != "embedding_size"}, attention_probs_dropout_prob=0.0)
             model = transformers.RoFormerForMaskedLM(hf_cfg).to(device)
-            step_loss = lambda: model(input_ids=ids, attention_mask=mask.long(), labels=labels).loss  # noqa: E731
+            step_loss = lambda: model(input_ids=ids, labels=labels).loss  # noqa: E731
         else:
             model = RoFormerForMaskedLM(cfg, name).to(device)
-            step_loss = lambda: model(ids, mask, labels=labels)[0]  # noqa: E731
+            step_loss = lambda: model(ids, labels=labels)[0]  # noqa: E731
         if ddp:
             model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if on_gpu else None,
                                                     gradient_as_bucket_view=True)

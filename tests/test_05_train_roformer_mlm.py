@@ -39,7 +39,8 @@ def test_logits_equal_hugging_face(tmp_path, attn, padded):
     types = torch.randint(0, 2, (2, 40))
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
-        got = ours.to(DEVICE)(ids.to(DEVICE), mask.to(DEVICE), types.to(DEVICE)).cpu()
+        ours_mask = mask.to(DEVICE) if padded else None  # no padding: our model runs without a mask
+        got = ours.to(DEVICE)(ids.to(DEVICE), ours_mask, types.to(DEVICE)).cpu()
     rel = ((got - expected).abs().max() / expected.abs().max()).item()
     assert rel <= 1e-4, f"relative error {rel:.2e}"
 
@@ -63,6 +64,9 @@ def test_attention_paths_agree():
         state = state or model.state_dict()
         model.load_state_dict(state)
         logits[attn] = model(ids, mask)
+        # no mask (a batch without padding) is the same function as a mask of ones
+        tol = dict(rtol=2e-3, atol=2e-3) if attn == "fused" else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(ids), model(ids, torch.ones_like(mask)), **tol)
     for attn in ("naive", "triton"):
         torch.testing.assert_close(logits[attn], logits["torch"], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits["fused"], logits["torch"], rtol=2e-2, atol=2e-2)  # fp16 attention
@@ -83,6 +87,9 @@ def test_masking_follows_bert():
     frac_same = (inputs[chosen] == ids[chosen]).float().mean().item()
     assert abs(frac_mask - 0.8) < 0.03 and abs(frac_same - 0.1) < 0.03  # the other ~10%: random tokens
     assert (inputs[~chosen] == ids[~chosen]).all()
+    # the model gets no mask for a batch without padding, and the mask itself for one with padding
+    assert train.device_mask(torch.ones_like(mask), DEVICE) is None
+    assert train.device_mask(mask, DEVICE).equal(mask.to(DEVICE))
 
 
 def test_resume_gives_the_same_loss_curve(tmp_path):
