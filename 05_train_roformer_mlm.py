@@ -190,7 +190,8 @@ class RoFormerForMaskedLM(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
         """Logits [b, s, vocab] without labels; with labels (-100 = not masked): (loss, accuracy), the
-        head run on the masked positions only (the loss needs nothing else)."""
+        head run on the masked positions only (the loss needs nothing else). attention_mask: [b, s],
+        1 = a real token, 0 = padding; None = no padding."""
         b, s = input_ids.shape
         if s > self.freqs.shape[0]:
             raise ValueError(f"sequence length {s} is over max_position_embeddings = {self.freqs.shape[0]}")
