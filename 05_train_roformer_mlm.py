@@ -673,7 +673,8 @@ def bench(args, ddp, rank, world, device):
     ids = torch.randint(1, cfg.vocab_size, (batch, seq), generator=gen)
     labels = torch.where(torch.rand(batch, seq, generator=gen) < args.mask_prob, ids, -100).to(device)
     ids = ids.to(device)  # packed text: no padding, so no mask (device_mask), for Hugging Face's model too
-    n_params = sum(p.numel() for p in RoFormerForMaskedLM(cfg).parameters())
+    with torch.device("meta"):  # counted without allocating or initialising anything
+        n_params = sum(p.numel() for p in RoFormerForMaskedLM(cfg).parameters())
     matmul_rate = matmul_tflops(device)
     if rank == 0:
         print(f"{n_params / 1e6:.1f}M parameters, {world} rank(s), batch {batch} x seq {seq} per rank"
