@@ -548,7 +548,8 @@ def train(args, ddp, rank, world, device):
         step, seen, history = ckpt["step"], ckpt["seen"], ckpt["history"]
         if len(seen) != world:
             raise SystemExit(f"--resume: the checkpoint was written by {len(seen)} ranks, this run has {world}")
-        torch.set_rng_state(ckpt["rng"][rank]["torch"])
+        # map_location moved the RNG states (byte tensors) to the GPU too; both setters want them on the CPU
+        torch.set_rng_state(ckpt["rng"][rank]["torch"].cpu())
         random.setstate(ckpt["rng"][rank]["python"])
         if device.type == "cuda":
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"].cpu())
