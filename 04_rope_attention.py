@@ -346,9 +346,12 @@ def rope_attn_bwd_dkdv_kernel(
             scores_t = _qk(k_a, k_b, k_p, q_a, q_b, q_p, HAS_PASS)  # S^T: [BLOCK_N, BLOCK_M]
             lse = tl.load(lse_ptr + row_stats + offs_m, mask=m_mask, other=float("inf"))
             p_t = tl.exp2(scores_t - lse[None, :])
-            visible_t = tl.trans(_visible(offs_m, offs_n, seqlen, key_mask_ptr + b * seqlen, CAUSAL, HAS_MASK,
-                                          EVEN_N))
-            p_t = tl.where(visible_t, p_t, 0.0)
+            if (not EVEN_N) or HAS_MASK:
+                p_t = tl.where(tl.trans(_visible(offs_m, offs_n, seqlen, key_mask_ptr + b * seqlen, CAUSAL, HAS_MASK,
+                                                 EVEN_N)), p_t, 0.0)
+            elif CAUSAL:
+                if start_m < (pid_n + 1) * BLOCK_N - 1:  # only the blocks on the diagonal need the causal mask
+                    p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
             do = tl.load(do_base + offs_m.to(tl.int64)[:, None] * stride_ds + d * stride_dd,
                          mask=m_mask[:, None] & (d < head_dim), other=0.0)
             dv = tl.dot(p_t.to(do.dtype), do, dv)
@@ -404,7 +407,11 @@ def rope_attn_bwd_dq_kernel(
         k_a, k_b, k_p = _load_head(k_base, offs_n, n_mask, stride_ks, stride_kd, trig_ptr, half, rot_dim, head_dim,
                                    1.0, HALF, PASS, INTERLEAVED, SHARED)
         p = tl.exp2(_qk(q_a, q_b, q_p, k_a, k_b, k_p, HAS_PASS) - lse[:, None])
-        p = tl.where(_visible(offs_m, offs_n, seqlen, key_mask_ptr + b * seqlen, CAUSAL, HAS_MASK, EVEN_N), p, 0.0)
+        if (not EVEN_N) or HAS_MASK:
+            p = tl.where(_visible(offs_m, offs_n, seqlen, key_mask_ptr + b * seqlen, CAUSAL, HAS_MASK, EVEN_N), p, 0.0)
+        elif CAUSAL:
+            if start_n + BLOCK_N > pid_m * BLOCK_M:  # only the blocks on the diagonal need the causal mask
+                p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
         v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs + d * stride_vd,
                     mask=n_mask[:, None] & (d < head_dim), other=0.0)
         dp = tl.dot(do, tl.trans(v))
