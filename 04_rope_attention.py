@@ -113,9 +113,11 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # The fused kernel rotates each tile as it is loaded. A q tile is rotated once per program; each
 # K tile is rotated in registers on every visit (s / BLOCK_M times over the whole grid). That
 # costs a few FMAs per element of K against the 2 * BLOCK_M * d tensor-core MACs each element takes
-# part in, plus loading cos and sin for BLOCK_N positions: precomputed once in float32 (two tables
-# when the angle table is a true rotation, four when its halves differ), since computing them in
-# the inner loop would keep the special-function units busier than the tensor cores.
+# part in, plus loading cos and sin for BLOCK_N positions: precomputed once (two tables when the
+# angle table is a true rotation, four when its halves differ), since computing them in the inner
+# loop would keep the special-function units busier than the tensor cores. Those loads are twice
+# the bytes of the K tile itself in float32, so the tables are float16 (cos and sin lie in [-1, 1]:
+# a 2^-11 relative error, below the rounding of the bf16 product) and math stays in float32.
 #
 # The rotated tiles stay split into their a and b halves (rotate-half: channels i and i + d2/2;
 # interleaved: 2i and 2i + 1) and the pass-through channels. QK^T is a sum over channels, so it is
@@ -136,14 +138,17 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 
 @triton.jit
 def _trig(trig_ptr, pos, mask, half, HALF: tl.constexpr, SHARED: tl.constexpr):
-    """cos/sin of the a and b angles of positions `pos`: [len(pos), HALF] each, float32."""
+    """cos/sin of the a and b angles of positions `pos`: [len(pos), HALF] each, float32 (stored as
+    float16: half the bytes, and 2^-11 relative error, under a bf16 product's rounding)."""
     i = tl.arange(0, HALF)[None, :]
     m = mask[:, None] & (i < half)
-    rows = trig_ptr + pos.to(tl.int64)[:, None] * (4 * half) + i
-    cos_a, sin_a = tl.load(rows, mask=m, other=0.0), tl.load(rows + half, mask=m, other=0.0)
-    if SHARED:  # a true rotation table: the b angles are the a angles
+    rows = trig_ptr + pos.to(tl.int64)[:, None] * ((2 if SHARED else 4) * half) + i
+    cos_a = tl.load(rows, mask=m, other=0.0).to(tl.float32)
+    sin_a = tl.load(rows + half, mask=m, other=0.0).to(tl.float32)
+    if SHARED:  # a true rotation table: the b angles are the a angles, and only cos_a, sin_a are stored
         return cos_a, sin_a, cos_a, sin_a
-    return cos_a, sin_a, tl.load(rows + 2 * half, mask=m, other=0.0), tl.load(rows + 3 * half, mask=m, other=0.0)
+    cos_b = tl.load(rows + 2 * half, mask=m, other=0.0).to(tl.float32)
+    return cos_a, sin_a, cos_b, tl.load(rows + 3 * half, mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -162,9 +167,14 @@ def _load_head(base, pos, mask, stride_s, stride_d, trig_ptr, half, rot_dim, hea
                HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, SHARED: tl.constexpr):
     """Rows `pos` of one head, rotated and multiplied by `scale`: (x_a, x_b, x_pass) in x's dtype."""
     rows = base + pos.to(tl.int64)[:, None] * stride_s
-    a, b, m = _pair_channels(mask, half, HALF, INTERLEAVED)
-    x_a = tl.load(rows + a * stride_d, mask=m, other=0.0)
-    x_b = tl.load(rows + b * stride_d, mask=m, other=0.0)
+    if INTERLEAVED:  # one contiguous load of the pairs, split in registers (two stride-2 loads waste half of each)
+        c = tl.arange(0, 2 * HALF)[None, :]
+        x = tl.load(rows + c * stride_d, mask=mask[:, None] & (c < rot_dim), other=0.0)
+        x_a, x_b = tl.split(tl.reshape(x, (x.shape[0], HALF, 2)))
+    else:
+        a, b, m = _pair_channels(mask, half, HALF, INTERLEAVED)
+        x_a = tl.load(rows + a * stride_d, mask=m, other=0.0)
+        x_b = tl.load(rows + b * stride_d, mask=m, other=0.0)
     cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, pos, mask, half, HALF, SHARED)
     dtype = x_a.dtype
     r_a = ((x_a.to(tl.float32) * cos_a - x_b.to(tl.float32) * sin_a) * scale).to(dtype)
@@ -180,10 +190,16 @@ def _store_head_grad(base, pos, mask, stride_s, stride_d, g_a, g_b, g_p, trig_pt
     """Rotate a gradient from the rotated basis back (R^T) and store it in the tensor's dtype."""
     cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, pos, mask, half, HALF, SHARED)
     rows = base + pos.to(tl.int64)[:, None] * stride_s
-    a, b, m = _pair_channels(mask, half, HALF, INTERLEAVED)
     dtype = base.dtype.element_ty
-    tl.store(rows + a * stride_d, (g_a * cos_a + g_b * sin_b).to(dtype), mask=m)
-    tl.store(rows + b * stride_d, (g_b * cos_b - g_a * sin_a).to(dtype), mask=m)
+    r_a, r_b = (g_a * cos_a + g_b * sin_b).to(dtype), (g_b * cos_b - g_a * sin_a).to(dtype)
+    if INTERLEAVED:  # pairs joined in registers, one contiguous store
+        c = tl.arange(0, 2 * HALF)[None, :]
+        tl.store(rows + c * stride_d, tl.reshape(tl.join(r_a, r_b), (r_a.shape[0], 2 * HALF)),
+                 mask=mask[:, None] & (c < rot_dim))
+    else:
+        a, b, m = _pair_channels(mask, half, HALF, INTERLEAVED)
+        tl.store(rows + a * stride_d, r_a, mask=m)
+        tl.store(rows + b * stride_d, r_b, mask=m)
     p = rot_dim + tl.arange(0, PASS)[None, :]
     tl.store(rows + p * stride_d, g_p.to(dtype), mask=mask[:, None] & (p < head_dim))
 
@@ -330,9 +346,12 @@ def rope_attn_bwd_dkdv_kernel(
             scores_t = _qk(k_a, k_b, k_p, q_a, q_b, q_p, HAS_PASS)  # S^T: [BLOCK_N, BLOCK_M]
             lse = tl.load(lse_ptr + row_stats + offs_m, mask=m_mask, other=float("inf"))
             p_t = tl.exp2(scores_t - lse[None, :])
-            visible_t = tl.trans(_visible(offs_m, offs_n, seqlen, key_mask_ptr + b * seqlen, CAUSAL, HAS_MASK,
-                                          EVEN_N))
-            p_t = tl.where(visible_t, p_t, 0.0)
+            if (not EVEN_N) or HAS_MASK:
+                p_t = tl.where(tl.trans(_visible(offs_m, offs_n, seqlen, key_mask_ptr + b * seqlen, CAUSAL, HAS_MASK,
+                                                 EVEN_N)), p_t, 0.0)
+            elif CAUSAL:
+                if start_m < (pid_n + 1) * BLOCK_N - 1:  # only the blocks on the diagonal need the causal mask
+                    p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
             do = tl.load(do_base + offs_m.to(tl.int64)[:, None] * stride_ds + d * stride_dd,
                          mask=m_mask[:, None] & (d < head_dim), other=0.0)
             dv = tl.dot(p_t.to(do.dtype), do, dv)
@@ -388,7 +407,11 @@ def rope_attn_bwd_dq_kernel(
         k_a, k_b, k_p = _load_head(k_base, offs_n, n_mask, stride_ks, stride_kd, trig_ptr, half, rot_dim, head_dim,
                                    1.0, HALF, PASS, INTERLEAVED, SHARED)
         p = tl.exp2(_qk(q_a, q_b, q_p, k_a, k_b, k_p, HAS_PASS) - lse[:, None])
-        p = tl.where(_visible(offs_m, offs_n, seqlen, key_mask_ptr + b * seqlen, CAUSAL, HAS_MASK, EVEN_N), p, 0.0)
+        if (not EVEN_N) or HAS_MASK:
+            p = tl.where(_visible(offs_m, offs_n, seqlen, key_mask_ptr + b * seqlen, CAUSAL, HAS_MASK, EVEN_N), p, 0.0)
+        elif CAUSAL:
+            if start_n + BLOCK_N > pid_m * BLOCK_M:  # only the blocks on the diagonal need the causal mask
+                p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
         v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs + d * stride_vd,
                     mask=n_mask[:, None] & (d < head_dim), other=0.0)
         dp = tl.dot(do, tl.trans(v))
@@ -406,8 +429,9 @@ def rope_attn_bwd_dq_kernel(
 # The wrapper and the autograd Function
 # -------------------------------------
 # cos and sin of the angle table are computed once per table (kept by identity and version
-# counter, as in 02) into a [s2, 4, d2/2] float32 table: cos_a, sin_a, cos_b, sin_b. Whether the
-# halves are equal is read once per table too (one host sync per table, not per call).
+# counter, as in 02) into a float16 table: [s2, 4 * d2/2] (cos_a, sin_a, cos_b, sin_b), or
+# [s2, 2 * d2/2] when the halves are equal. Whether they are is read once per table too (one host
+# sync per table, not per call).
 
 
 class _LastResult:
@@ -428,12 +452,14 @@ _trig_tables = _LastResult()
 
 
 def _trig_table(freqs, interleaved):
-    """([s2, 4 * d2/2] float32: cos_a, sin_a, cos_b, sin_b per position, whether a == b everywhere)."""
+    """(float16 [s2, 4 * d2/2]: cos_a, sin_a, cos_b, sin_b per position, or [s2, 2 * d2/2]: cos_a, sin_a
+    when a == b everywhere; whether a == b)."""
     def compute():
         f = freqs[:, 0, 0]
         f_a, f_b = (f[:, 0::2], f[:, 1::2]) if interleaved else f.chunk(2, dim=-1)
-        table = torch.cat((f_a.cos(), f_a.sin(), f_b.cos(), f_b.sin()), dim=-1).contiguous()
-        return table, bool(torch.equal(f_a, f_b))
+        shared = bool(torch.equal(f_a, f_b))
+        parts = (f_a.cos(), f_a.sin()) if shared else (f_a.cos(), f_a.sin(), f_b.cos(), f_b.sin())
+        return torch.cat(parts, dim=-1).to(torch.float16).contiguous(), shared
     return _trig_tables.get((freqs,), (interleaved,), compute)
 
 
