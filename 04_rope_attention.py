@@ -307,16 +307,18 @@ def rope_attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, seqlen, n_heads, head_d
 
 @triton.jit
 def rope_attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, trig_ptr, key_mask_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dq_acc_ptr, lse_ptr, delta_ptr, trig_ptr, key_mask_ptr,
     qk_scale, seqlen, n_heads, n_kv_heads, group, half, rot_dim, head_dim,
     stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd, stride_db, stride_ds, stride_dh, stride_dd,
     stride_dkb, stride_dks, stride_dkh, stride_dkd, stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     INTERLEAVED: tl.constexpr, SHARED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr, W: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
-    """One block of keys of one k/v head: dK and dV, summed over the q heads of its group."""
+    """One block of keys of one k/v head: dK and dV, summed over the q heads of its group; with
+    ATOMIC_DQ, also this block's share of dQ, added into a float32 buffer [b * h, s, W] (rotated
+    basis, the a | b | pass parts side by side) that every key block of the head adds to."""
     pid_n, bh = tl.program_id(0), tl.program_id(1)
     b, hk = (bh // n_kv_heads).to(tl.int64), (bh % n_kv_heads).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -362,12 +364,48 @@ def rope_attn_bwd_dkdv_kernel(
             dk_b = tl.dot(ds_t, q_b, dk_b)
             if HAS_PASS:
                 dk_p = tl.dot(ds_t, q_p, dk_p)
+            if ATOMIC_DQ:
+                ds = tl.trans(ds_t)
+                acc_rows = dq_acc_ptr + (row_stats + offs_m.to(tl.int64))[:, None] * W
+                i = tl.arange(0, HALF)[None, :]
+                rows_ok = m_mask[:, None] & (i < HALF)
+                tl.atomic_add(acc_rows + i, tl.dot(ds, k_a), mask=rows_ok, sem="relaxed")
+                tl.atomic_add(acc_rows + HALF + i, tl.dot(ds, k_b), mask=rows_ok, sem="relaxed")
+                if HAS_PASS:
+                    c = tl.arange(0, PASS)[None, :]
+                    tl.atomic_add(acc_rows + 2 * HALF + c, tl.dot(ds, k_p), mask=m_mask[:, None] & (c < PASS),
+                                  sem="relaxed")
     # q carried scale * log2(e); dS/dRk wants scale alone
     _store_head_grad(dk_ptr + b * stride_dkb + hk * stride_dkh, offs_n, n_mask, stride_dks, stride_dkd,
                      dk_a * LN2, dk_b * LN2, dk_p * LN2, trig_ptr, half, rot_dim, head_dim, HALF, PASS,
                      INTERLEAVED, SHARED)
     tl.store(dv_ptr + b * stride_dvb + hk * stride_dvh + offs_n.to(tl.int64)[:, None] * stride_dvs + d * stride_dvd,
              dv.to(dv_ptr.dtype.element_ty), mask=n_mask[:, None] & (d < head_dim))
+
+
+@triton.jit
+def rope_attn_bwd_dq_store_kernel(
+    dq_acc_ptr, dq_ptr, trig_ptr, sm_scale, seqlen, n_heads, half, rot_dim, head_dim,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    BLOCK_M: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, W: tl.constexpr, INTERLEAVED: tl.constexpr,
+    SHARED: tl.constexpr, HAS_PASS: tl.constexpr,
+):
+    """dQ from the float32 buffer the dkdv kernel added into: scaled, rotated back, stored in q's dtype."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seqlen
+    rows = dq_acc_ptr + (bh.to(tl.int64) * seqlen + offs_m)[:, None] * W
+    i = tl.arange(0, HALF)[None, :]
+    c = tl.arange(0, PASS)[None, :]
+    g_a = tl.load(rows + i, mask=m_mask[:, None], other=0.0) * sm_scale
+    g_b = tl.load(rows + HALF + i, mask=m_mask[:, None], other=0.0) * sm_scale
+    if HAS_PASS:
+        g_p = tl.load(rows + 2 * HALF + c, mask=m_mask[:, None], other=0.0) * sm_scale
+    else:
+        g_p = tl.zeros((BLOCK_M, PASS), tl.float32)  # stored nowhere: the pass channels start at head_dim
+    _store_head_grad(dq_ptr + b * stride_dqb + h * stride_dqh, offs_m, m_mask, stride_dqs, stride_dqd, g_a, g_b, g_p,
+                     trig_ptr, half, rot_dim, head_dim, HALF, PASS, INTERLEAVED, SHARED)
 
 
 @triton.jit
@@ -476,7 +514,7 @@ def _pow2(n, at_least=16):
 # (results/04_rope_attention_sweep.log); small blocks in the interpreter, where they run fastest.
 CONFIGS = {
     ("d<=64", "fwd"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-    ("d>64", "fwd"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    ("d>64", "fwd"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
     ("d<=64", "dkdv"): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
     ("d>64", "dkdv"): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
     ("d<=64", "dq"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
@@ -524,11 +562,23 @@ class _RoPEAttention(torch.autograd.Function):
             o, do, delta, seqlen, n_heads, head_dim, *strides(o, do), BLOCK_M=64, D=common["D"])
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         scalars = (seqlen, n_heads)
+        # dQ: added up by the dkdv kernel with float32 atomics (5 matmuls a tile pair in all, as in
+        # FlashAttention 2), or, when torch.use_deterministic_algorithms(True) asks for a fixed sum
+        # order, by a second kernel that recomputes P and dP over the keys (7 matmuls).
+        atomic_dq = not torch.are_deterministic_algorithms_enabled()
+        width = 2 * common["HALF"] + (common["PASS"] if common["HAS_PASS"] else 0)
+        dq_acc = torch.zeros(batch * n_heads, seqlen, width, device=q.device, dtype=torch.float32) if atomic_dq else lse
         cfg = _config(head_dim, "dkdv", common["SHARED"])
         rope_attn_bwd_dkdv_kernel[(triton.cdiv(seqlen, cfg["BLOCK_N"]), batch * n_kv_heads)](
-            q, k, v, do, dk, dv, lse, delta, trig, key_mask, sm_scale * LOG2E, *scalars, n_kv_heads,
+            q, k, v, do, dk, dv, dq_acc, lse, delta, trig, key_mask, sm_scale * LOG2E, *scalars, n_kv_heads,
             n_heads // n_kv_heads, rot_dim // 2, rot_dim, head_dim, *strides(q, k, v, do, dk, dv),
-            EVEN_N=seqlen % cfg["BLOCK_N"] == 0, **common, **cfg)
+            EVEN_N=seqlen % cfg["BLOCK_N"] == 0, W=width, ATOMIC_DQ=atomic_dq, **common, **cfg)
+        if atomic_dq:
+            rope_attn_bwd_dq_store_kernel[(triton.cdiv(seqlen, 64), batch * n_heads)](
+                dq_acc, dq, trig, sm_scale, seqlen, n_heads, rot_dim // 2, rot_dim, head_dim, *strides(dq),
+                BLOCK_M=64, HALF=common["HALF"], PASS=common["PASS"], W=width, INTERLEAVED=common["INTERLEAVED"],
+                SHARED=common["SHARED"], HAS_PASS=common["HAS_PASS"])
+            return dq, dk, dv, None, None, None, None, None, None
         cfg = _config(head_dim, "dq", common["SHARED"])
         rope_attn_bwd_dq_kernel[(triton.cdiv(seqlen, cfg["BLOCK_M"]), batch * n_heads)](
             q, k, v, do, dq, lse, delta, trig, key_mask, sm_scale * LOG2E, sm_scale, *scalars,

@@ -4,6 +4,7 @@ The scripts' names start with digits, so they are loaded through importlib. With
 kernels run in Triton's interpreter (set before triton is imported) on small sizes; on a GPU the
 same tests run on larger sizes.
 """
+import contextlib
 import importlib.util
 import os
 import pathlib
@@ -30,6 +31,18 @@ def load(filename):
         spec.loader.exec_module(module)
         _modules[filename] = module
     return _modules[filename]
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) inside the block (warn_only: cuBLAS would otherwise
+    ask for CUBLAS_WORKSPACE_CONFIG), restored after it."""
+    before, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 def make_view(shape, dtype, view, generator=None):

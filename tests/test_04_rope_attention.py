@@ -7,7 +7,7 @@ so bf16 is tested on the GPU."""
 import pytest
 import torch
 
-from conftest import DEVICE, ON_GPU, load
+from conftest import DEVICE, ON_GPU, deterministic_algorithms, load
 
 attn = load("04_rope_attention.py")
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
@@ -111,6 +111,28 @@ def test_gqa_layouts_strides_dtypes(h, h_kv, tensor_format, dtype):
     mask = padding_mask(2, s, fully_padded=False)
     check(q, k, v, attn.rope_freqs(s, 64, interleaved=True, device=DEVICE), leaves=(qkv,), causal=False,
           attention_mask=mask, interleaved=True, tensor_format=tensor_format, sm_scale=0.3)
+
+
+@pytest.mark.parametrize("causal, masked, d, d2, interleaved", [(False, False, 64, 64, False), (True, True, 80, 64, True),
+                                                              (True, False, 96, 32, False)])
+def test_deterministic_backward(causal, masked, d, d2, interleaved):
+    """By default dq is summed with float32 atomics, in no fixed order. Under
+    torch.use_deterministic_algorithms(True) a second kernel computes it: right against the
+    reference too, and the same bits on every call."""
+    torch.manual_seed(d + d2)
+    s = 257 if ON_GPU else 40
+    _, q, k, v = make(2, s, 4, 2, d)
+    freqs = torch.randn(s, 1, 1, d2, device=DEVICE)
+    kwargs = dict(causal=causal, attention_mask=padding_mask(2, s) if masked else None, interleaved=interleaved)
+    with deterministic_algorithms():
+        out = check(q, k, v, freqs, **kwargs)
+        dout = torch.randn_like(out)
+        first, second = (torch.autograd.grad(attn.rope_attention(q, k, v, freqs, **kwargs), (q, k, v), dout)
+                         for _ in range(2))
+        assert all(a.equal(b) for a, b in zip(first, second))
+    atomic = torch.autograd.grad(attn.rope_attention(q, k, v, freqs, **kwargs), (q, k, v), dout)
+    for a, b in zip(first, atomic):  # the two routes differ only in the order of float32 sums
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
 
 
 def test_rows_that_see_no_key_are_zero():
