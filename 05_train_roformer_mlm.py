@@ -441,7 +441,8 @@ def matmul_tflops(device):
     """The yardstick for MFU, measured in this run: a bf16 8192^3 matmul's TF/s (None on the CPU)."""
     if device.type != "cuda":
         return None
-    a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
+    gen = torch.Generator(device).manual_seed(0)  # its own: the run's RNG stream (dropout) stays untouched
+    a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(2))
     for _ in range(3):
         a @ b
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
