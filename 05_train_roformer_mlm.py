@@ -572,6 +572,8 @@ def train(args, ddp, rank, world, device):
         print(f"baseline: always predicting the most frequent token ({counts.argmax().item()}) is right on "
               f"{counts.max().item() / counts.sum().item():.1%} of tokens")
     matmul_rate = matmul_tflops(device)
+    if device.type == "cuda":  # the peak printed below is this run's: not the yardstick's, nor an earlier run's
+        torch.cuda.reset_peak_memory_stats(device)
     if master and matmul_rate:
         print(f"MFU below: model FLOPs over the bf16 matmul rate measured now ({matmul_rate:.0f} TF/s)")
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
