@@ -11,6 +11,7 @@ In this tutorial, you will learn about:
   NaN);
 * the backward: recompute the rotated tiles, accumulate dq and dk in the rotated basis, and
   rotate back once per tile before storing, which is exact because RoPE is linear and per-row;
+  dq by float32 atomics (5 matmuls per tile pair) or, deterministic, by a second kernel (7);
 * grouped-query attention (k and v with fewer heads than q), odd sequence lengths, head dims
   that are not powers of two, partial rotary and both pairings;
 * benchmarking against 03's RoPE followed by each SDPA backend and FlexAttention.
@@ -122,6 +123,10 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # The rotated tiles stay split into their a and b halves (rotate-half: channels i and i + d2/2;
 # interleaved: 2i and 2i + 1) and the pass-through channels. QK^T is a sum over channels, so it is
 # three dots, q_a.k_a + q_b.k_b + q_pass.k_pass, whatever order the channels had in memory.
+# (Measured alternative: one full-width rotated tile, x * cos + x[partner] * sin with the partner
+# read by a second load, then one dot. It was 20-37% slower on an H200:
+# results/04_rope_attention_ab.log.) Interleaved pairs are loaded as one contiguous [rows, d2]
+# tile and split in registers: two stride-2 loads each waste half of every memory transaction.
 #
 # The backward
 # ------------
@@ -130,6 +135,17 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # the K (or Q) tiles in the rotated basis. Each row's rotation is linear and depends only on that
 # row's position, so dq = R^T d(Rq) row by row: the transposed rotation of 03 (the sines trade
 # halves and change sign), applied once per tile after the loop, exactly.
+#
+# One program per block of keys loops over the query tiles: it recomputes P^T = exp(S^T - lse)
+# and dP^T = V dO^T, and accumulates dV += P^T dO and d(Rk) += dS^T Rq in registers. dQ needs the
+# opposite loop (over keys for a block of queries). Recomputing P and dP in a second kernel costs
+# 7 matmuls per tile pair instead of 5, so by default each key block instead adds its share
+# dS Rk straight into a float32 d(Rq) buffer with atomic adds, as FlashAttention 2 does, and a
+# last small kernel rotates that back and casts it. Float atomics land in no fixed order: dq can
+# differ in its last bits from run to run. Under torch.use_deterministic_algorithms(True) the
+# backward takes the second-kernel route, whose sums have a fixed order. On an H200 the atomics
+# took fwd+bwd from 279 to 319 TF/s at (4, 32, 4096, 128) and from 171 to 184 at
+# (8, 16, 2048, 64) causal; at s = 512 and 2048 without causality the two routes tie.
 
 # %%
 # The kernels
@@ -510,8 +526,10 @@ def _pow2(n, at_least=16):
     return max(at_least, 1 << (int(n) - 1).bit_length())
 
 
-# (BLOCK_M, BLOCK_N, warps, stages) per kernel and head-dim class, from a sweep on an H200
-# (results/04_rope_attention_sweep.log); small blocks in the interpreter, where they run fastest.
+# (BLOCK_M, BLOCK_N, warps, stages) per kernel and head-dim class, from sweeps on an H200
+# (results/04_rope_attention_sweep.log, and results/04_rope_attention_ab.log for the d > 64 forward
+# and the dkdv kernel with atomic dq); "dq" is the deterministic route's kernel. Small blocks in
+# the interpreter, where they run fastest.
 CONFIGS = {
     ("d<=64", "fwd"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
     ("d>64", "fwd"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
@@ -526,7 +544,8 @@ def _config(head_dim, kernel, shared):
     if DEVICE.type != "cuda":
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4)
     config = dict(CONFIGS[("d<=64" if head_dim <= 64 else "d>64", kernel)])
-    if head_dim > 64 and not shared:  # four cos/sin tiles a stage instead of two: 3 stages overflow shared memory
+    # four cos/sin tiles a stage, not two: 3 stages overflowed shared memory (float32 tables; not re-measured)
+    if head_dim > 64 and not shared:
         config["num_stages"] = 2
     return config
 
@@ -648,7 +667,8 @@ def rope_attention(q, k, v, freqs, *, causal=False, attention_mask=None, sm_scal
     attention_mask: bool or integer [b, s], 1 (nonzero) = a real token, 0 = padding (Hugging Face's
         convention); padded keys are never attended to. A query that sees no key returns zeros.
     sm_scale: softmax scale, 1/sqrt(d) by default. interleaved: rotate pairs (RoFormer, GPT-J).
-    Returns the output [like q], in q's layout and dtype.
+    Returns the output [like q], in q's layout and dtype. dq is summed with float32 atomics (its
+    last bits can vary between runs) unless torch.use_deterministic_algorithms(True) is on.
     """
     _check(q, k, v, freqs, attention_mask, sm_scale, tensor_format)
     if attention_mask is not None:
