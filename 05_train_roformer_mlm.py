@@ -13,7 +13,9 @@ In this tutorial, you will learn about:
 * BERT/RoFormer masking (15%: 80% [MASK], 10% random, 10% unchanged), the loss and accuracy on
   masked positions only, with the MLM head run on those positions only;
 * a nanoGPT-style loop: AdamW, warmup then linear decay, gradient accumulation and clipping, bf16
-  autocast, atomic checkpoints and an exact ``--resume``, DistributedDataParallel via torchrun.
+  autocast, atomic checkpoints and an exact ``--resume`` (bit for bit; on a GPU, under
+  torch.use_deterministic_algorithms(True), since 04's dq and PyTorch's index backward otherwise
+  add with float atomics), DistributedDataParallel via torchrun.
 
 Run ``python 05_train_roformer_mlm.py`` (a small model on the Python standard library's own source,
 no download), ``--help`` for the options. It loads 01-04 from beside this file.
