@@ -31,6 +31,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import sysconfig
 import time
@@ -412,7 +413,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--bench", action="store_true", help="time training steps of a BERT-base-shaped model on random "
                    "tokens for every --attn path (and Hugging Face's RoFormer when installed), then exit")
-    p.add_argument("--bench-steps", type=int, default=10)
+    p.add_argument("--bench-steps", type=int, default=20 if on_gpu else 1, help="timed steps per path and round")
+    p.add_argument("--bench-rounds", type=int, default=2 if on_gpu else 1,
+                   help="rounds over all paths, in alternating order (clock or heat drift then hits every path alike)")
     p.add_argument("--compare", default=None, metavar="A,B", help="train twice from the same seed with two --attn "
                    "paths (e.g. torch,fused) and print the largest difference of their loss curves")
     p.add_argument("--stop-after", type=int, default=0,
@@ -691,8 +694,8 @@ def bench(args, ddp, rank, world, device):
         candidates.append("hf")
     except ImportError:
         print("(transformers is not installed: Hugging Face's RoFormerForMaskedLM is not benchmarked)")
-    results = []
-    for name in candidates:
+
+    def build(name):
         torch.manual_seed(args.seed)
         if name == "hf":
             hf_cfg = transformers.RoFormerConfig(**{k: v for k, v in dataclasses.asdict(cfg).items()
@@ -704,7 +707,7 @@ def bench(args, ddp, rank, world, device):
             step_loss = lambda: model(ids, labels=labels)[0]  # noqa: E731
         if ddp:
             model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if on_gpu else None,
-                                                    gradient_as_bucket_view=True)
+                                                        gradient_as_bucket_view=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=on_gpu)
 
         def train_step():
@@ -713,30 +716,56 @@ def bench(args, ddp, rank, world, device):
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        with out_of_memory_advice(args):
-            for _ in range(3):  # warm up: compilation, allocator
+        return model, optimizer, train_step
+
+    def timed_steps(train_step):
+        """Milliseconds of each step, from one step boundary to the next (GPU events on a GPU, so the
+        time includes any wait for the host, as training sees it)."""
+        if not on_gpu:
+            times = []
+            for _ in range(args.bench_steps):
+                start = time.perf_counter()
                 train_step()
-        if on_gpu:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        for _ in range(args.bench_steps):
+                times.append((time.perf_counter() - start) * 1e3)
+            return times
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.bench_steps + 1)]
+        marks[0].record()
+        for mark in marks[1:]:
             train_step()
-        if on_gpu:
-            torch.cuda.synchronize()
-        dt = (time.perf_counter() - start) / args.bench_steps
-        peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else float("nan")
-        tokens_per_s = batch * seq * world / dt
-        row = dict(attn=name, ms_per_step=dt * 1e3, tokens_per_s=tokens_per_s, peak_gib=peak,
+            mark.record()
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+
+    step_ms = {name: [] for name in candidates}  # per round
+    peak = {}
+    for round_ in range(args.bench_rounds):
+        for name in candidates if round_ % 2 == 0 else candidates[::-1]:
+            model, optimizer, train_step = build(name)
+            with out_of_memory_advice(args):
+                for _ in range(3):  # warm up: compilation, allocator
+                    train_step()
+                if on_gpu:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                step_ms[name].append(timed_steps(train_step))
+            peak[name] = max(peak.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30) if on_gpu else float("nan")
+            del model, optimizer, train_step
+            if on_gpu:
+                torch.cuda.empty_cache()
+    results = []
+    for name in candidates:
+        ms = statistics.median(t for times in step_ms[name] for t in times)
+        tokens_per_s = batch * seq * world / (ms / 1e3)
+        row = dict(attn=name, ms_per_step=ms, ms_per_step_by_round=[statistics.median(t) for t in step_ms[name]],
+                   tokens_per_s=tokens_per_s, peak_gib=peak[name],
                    model_tflops_per_gpu=flops_per_token(n_params, cfg, seq) * tokens_per_s / world / 1e12)
         results.append(row)
         if rank == 0:
             of_matmul = f" ({row['model_tflops_per_gpu'] / matmul_rate:.0%} of matmul)" if matmul_rate else ""
-            print(f"{name:>7}: {dt * 1e3:8.1f} ms/step {tokens_per_s:10.0f} tokens/s  peak {peak:5.1f} GiB  "
-                  f"{row['model_tflops_per_gpu']:6.1f} model TF/s per GPU{of_matmul}", flush=True)
-        del model, optimizer
-        if on_gpu:
-            torch.cuda.empty_cache()
+            rounds = " / ".join(f"{m:.1f}" for m in row["ms_per_step_by_round"])
+            print(f"{name:>7}: {ms:8.1f} ms/step (median; by round {rounds}) {tokens_per_s:10.0f} tokens/s  "
+                  f"peak {row['peak_gib']:5.1f} GiB  {row['model_tflops_per_gpu']:6.1f} model TF/s per GPU{of_matmul}",
+                  flush=True)
     if rank == 0:
         by = {r["attn"]: r for r in results}
         for base in ("hf", "triton"):
@@ -747,7 +776,8 @@ def bench(args, ddp, rank, world, device):
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"bench_{world}rank.json"), "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name() if on_gpu else "cpu", world=world, batch=batch,
-                           seq=seq, torch=torch.__version__, matmul_tflops=matmul_rate, results=results), f, indent=1)
+                           seq=seq, steps=args.bench_steps, rounds=args.bench_rounds, torch=torch.__version__,
+                           matmul_tflops=matmul_rate, results=results), f, indent=1)
     return results
 
 

@@ -174,10 +174,13 @@ def test_compare_two_paths_from_the_same_seed(tmp_path, capsys):
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU --bench times the BERT-base shape; run it by hand")
 def test_bench_runs_every_path(tmp_path):
-    results = train.main(["--bench", "--bench-steps", "1", "--out", str(tmp_path)])
+    results = train.main(["--bench", "--bench-steps", "2", "--bench-rounds", "2", "--out", str(tmp_path)])
     assert [r["attn"] for r in results][:4] == list(train.ATTN_PATHS)
-    assert all(r["tokens_per_s"] > 0 for r in results)
-    assert (tmp_path / "bench_1rank.json").exists()
+    assert all(r["tokens_per_s"] > 0 and len(r["ms_per_step_by_round"]) == 2 for r in results)
+    for r in results:  # tokens/s from the median step of both rounds
+        assert min(r["ms_per_step_by_round"]) <= r["ms_per_step"] <= max(r["ms_per_step_by_round"])
+    saved = json.loads((tmp_path / "bench_1rank.json").read_text())
+    assert saved["rounds"] == 2 and [r["attn"] for r in saved["results"]] == [r["attn"] for r in results]
 
 
 def test_a_batch_that_does_not_fit_gets_advice(tmp_path, monkeypatch):
