@@ -718,12 +718,15 @@ def self_check():
 # bf16, against the best unfused path: 03's RoPE (apply_rotary_pos_emb_qk) on q and k, then
 # scaled_dot_product_attention with each backend (cuDNN, flash, efficient) and FlexAttention.
 # TF/s count 4*b*h*s^2*d FLOPs (halved when causal; x3.5 for forward + backward). GPU time from a
-# CUDA graph when the call can be captured, else from do_bench; the table says which.
+# CUDA graph when the call can be captured, else from do_bench; the table says which. Then a sweep
+# of sequence lengths at a fixed number of tokens, for the plot of TF/s against s.
 
 BENCH_SHAPES = [  # (b, h, s, d, causal, padding mask)
     (16, 12, 512, 64, False, False), (16, 12, 512, 64, False, True), (8, 16, 2048, 64, False, False),
     (8, 16, 2048, 64, True, False), (4, 32, 4096, 128, False, False), (4, 32, 4096, 128, True, False)]
 CPU_SHAPES = [(1, 2, 64, 32, True, True)]
+# TF/s against sequence length: 16k tokens a batch (b = 16384 / s), 16 heads of dim 64, not causal
+SWEEP_LENGTHS, SWEEP_TOKENS, CPU_SWEEP_LENGTHS = [512, 1024, 2048, 4096, 8192], 16384, [32, 64]
 
 
 def _time_ms(fn):
@@ -788,46 +791,58 @@ def _unfused_providers(q, k, v, freqs, causal, mask, rope03):
     return fns
 
 
+def measure(b, h, s, d, causal, padded, rope03, providers=None):
+    """Rows of fwd and fwd+bwd timings at one shape: ours and (on a GPU) the unfused paths."""
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+    q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
+    freqs = rope_freqs(s, d, device=DEVICE)
+    mask = None
+    if padded:  # Hugging Face style: each sequence is padded after a random length
+        lengths = torch.randint(s // 2, s + 1, (b,), device=DEVICE)
+        mask = torch.arange(s, device=DEVICE)[None, :] < lengths[:, None]
+    fns = {"fused (ours)": lambda q, k, v: rope_attention(q, k, v, freqs, causal=causal, attention_mask=mask)}
+    if rope03 is not None:
+        fns.update(_unfused_providers(q, k, v, freqs, causal, mask, rope03))
+    if providers is not None:
+        fns = {name: fn for name, fn in fns.items() if any(p in name for p in providers)}
+    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+    dout = torch.randn_like(q)
+    rows = []
+    for name, fn in fns.items():
+        try:
+            fn(q, k, v)
+        except Exception as e:  # noqa: BLE001  (a backend that does not take this shape)
+            print(f"{(b, h, s, d)} causal={causal} mask={padded} {name}: n/a ({type(e).__name__})")
+            continue
+        fwd_ms, fwd_how = _time_ms(lambda: fn(q, k, v))
+        both_ms, both_how = _time_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout))
+        torch.cuda.reset_peak_memory_stats() if DEVICE.type == "cuda" else None
+        base = torch.cuda.memory_allocated() if DEVICE.type == "cuda" else 0
+        torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+        peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20 if DEVICE.type == "cuda" else float("nan")
+        row = dict(shape=(b, h, s, d), causal=causal, padded=padded, provider=name, fwd_ms=fwd_ms,
+                   both_ms=both_ms, fwd_tflops=flops / fwd_ms / 1e9, both_tflops=3.5 * flops / both_ms / 1e9,
+                   peak_mb=peak_mb, timing=fwd_how if fwd_how == both_how else f"{fwd_how}/{both_how}")
+        rows.append(row)
+        print(f"{str(row['shape']):>20} causal={causal!s:5} mask={padded!s:5} {name:>26} fwd {fwd_ms * 1e3:8.1f} us "
+              f"{row['fwd_tflops']:6.1f} TF/s  fwd+bwd {both_ms * 1e3:8.1f} us {row['both_tflops']:6.1f} TF/s  "
+              f"peak +{peak_mb:.0f} MiB ({row['timing']})")
+    return rows
+
+
 def benchmark():
-    shapes = BENCH_SHAPES if DEVICE.type == "cuda" else CPU_SHAPES
-    if DEVICE.type != "cuda":
+    """(rows at the issue's shapes, rows of the sequence-length sweep)."""
+    on_gpu = DEVICE.type == "cuda"
+    if not on_gpu:
         print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
               "show that the benchmark runs; they say nothing about speed.")
-    rope03 = _load_sibling("03_rope_bwd.py") if DEVICE.type == "cuda" else None
-    rows = []
-    for b, h, s, d, causal, padded in shapes:
-        dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
-        q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
-        freqs = rope_freqs(s, d, device=DEVICE)
-        mask = None
-        if padded:  # Hugging Face style: each sequence is padded after a random length
-            lengths = torch.randint(s // 2, s + 1, (b,), device=DEVICE)
-            mask = torch.arange(s, device=DEVICE)[None, :] < lengths[:, None]
-        fns = {"fused (ours)": lambda q, k, v: rope_attention(q, k, v, freqs, causal=causal, attention_mask=mask)}
-        if rope03 is not None:
-            fns.update(_unfused_providers(q, k, v, freqs, causal, mask, rope03))
-        flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
-        dout = torch.randn_like(q)
-        for name, fn in fns.items():
-            try:
-                fn(q, k, v)
-            except Exception as e:  # noqa: BLE001  (a backend that does not take this shape)
-                print(f"{(b, h, s, d)} causal={causal} mask={padded} {name}: n/a ({type(e).__name__})")
-                continue
-            fwd_ms, fwd_how = _time_ms(lambda: fn(q, k, v))
-            both_ms, both_how = _time_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout))
-            torch.cuda.reset_peak_memory_stats() if DEVICE.type == "cuda" else None
-            base = torch.cuda.memory_allocated() if DEVICE.type == "cuda" else 0
-            torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
-            peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20 if DEVICE.type == "cuda" else float("nan")
-            row = dict(shape=(b, h, s, d), causal=causal, padded=padded, provider=name, fwd_ms=fwd_ms,
-                       both_ms=both_ms, fwd_tflops=flops / fwd_ms / 1e9, both_tflops=3.5 * flops / both_ms / 1e9,
-                       peak_mb=peak_mb, timing=fwd_how if fwd_how == both_how else f"{fwd_how}/{both_how}")
-            rows.append(row)
-            print(f"{str(row['shape']):>20} causal={causal!s:5} mask={padded!s:5} {name:>26} fwd {fwd_ms * 1e3:8.1f} us "
-                  f"{row['fwd_tflops']:6.1f} TF/s  fwd+bwd {both_ms * 1e3:8.1f} us {row['both_tflops']:6.1f} TF/s  "
-                  f"peak +{peak_mb:.0f} MiB ({row['timing']})")
-    return rows
+    rope03 = _load_sibling("03_rope_bwd.py") if on_gpu else None
+    rows = [r for shape in (BENCH_SHAPES if on_gpu else CPU_SHAPES) for r in measure(*shape, rope03)]
+    print("\nsequence-length sweep:")
+    sweep = [r for s in (SWEEP_LENGTHS if on_gpu else CPU_SWEEP_LENGTHS)
+             for r in measure(max(1, SWEEP_TOKENS // s) if on_gpu else 1, 16 if on_gpu else 2, s, 64 if on_gpu else 32,
+                              False, False, rope03, providers=("ours", "cuDNN", "flash", "Flex"))]
+    return rows, sweep
 
 
 def markdown_table(rows):
@@ -846,14 +861,16 @@ def environment():
             f"triton {triton.__version__}; python {platform.python_version()}")
 
 
-def save_results(rows, results_dir):
+def save_results(rows, sweep, results_dir):
     os.makedirs(results_dir, exist_ok=True)
     with open(os.path.join(results_dir, "04_rope_attention.md"), "w") as f:
         f.write(f"# RoPE + attention, fused against RoPE then attention\n\n{environment()}\n\nbf16. TF/s count "
                 "4*b*h*s^2*d FLOPs, halved when causal, x3.5 for forward + backward. 'graph': GPU time replayed "
                 "from a CUDA graph (median of three do_bench_cudagraph medians); 'stream': do_bench. Peak extra "
                 "memory: what one forward + backward allocated above the inputs. Raw log: "
-                f"`04_rope_attention.log`.\n\n{markdown_table(rows)}\n")
+                f"`04_rope_attention.log`.\n\n{markdown_table(rows)}\n\n## TF/s against sequence length\n\n"
+                f"{SWEEP_TOKENS} tokens a batch (b = {SWEEP_TOKENS} / s), 16 heads of dim 64, not causal, no mask "
+                f"(plot: `04_rope_attention_seqlen.png`).\n\n{markdown_table(sweep)}\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -876,6 +893,18 @@ def save_results(rows, results_dir):
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(results_dir, "04_rope_attention.png"), dpi=120)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, title in zip(axes, ("fwd_tflops", "both_tflops"), ("forward", "forward + backward")):
+        for provider in dict.fromkeys(r["provider"] for r in sweep):
+            pts = [(r["shape"][2], r[key]) for r in sweep if r["provider"] == provider]
+            ax.plot(*zip(*pts), marker="o", label=provider)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length s (batch = %d / s, 16 heads, d = 64)" % SWEEP_TOKENS)
+        ax.set_ylabel("TF/s")
+        ax.set_title(f"RoPE + attention, {title} ({environment().split(';')[0].removeprefix('device: ')})", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(results_dir, "04_rope_attention_seqlen.png"), dpi=120)
 
 
 if __name__ == "__main__":
@@ -885,7 +914,7 @@ if __name__ == "__main__":
     args = parser.parse_args()
     print(environment())
     self_check()
-    rows = benchmark()
+    rows, sweep = benchmark()
     if DEVICE.type == "cuda":
-        save_results(rows, args.results)
-        print("\n" + markdown_table(rows))
+        save_results(rows, sweep, args.results)
+        print("\n" + markdown_table(rows) + "\n\n" + markdown_table(sweep))
