@@ -384,7 +384,7 @@ def rope_attn_bwd_dkdv_kernel(
                 ds = tl.trans(ds_t)
                 acc_rows = dq_acc_ptr + (row_stats + offs_m.to(tl.int64))[:, None] * W
                 i = tl.arange(0, HALF)[None, :]
-                rows_ok = m_mask[:, None] & (i < HALF)
+                rows_ok = m_mask[:, None] & (i < HALF)  # (i < HALF is all true: it gives the mask the tile's shape)
                 tl.atomic_add(acc_rows + i, tl.dot(ds, k_a), mask=rows_ok, sem="relaxed")
                 tl.atomic_add(acc_rows + HALF + i, tl.dot(ds, k_b), mask=rows_ok, sem="relaxed")
                 if HAS_PASS:
