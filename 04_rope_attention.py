@@ -122,9 +122,16 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 #
 # The rotated tiles stay split into their a and b halves (rotate-half: channels i and i + d2/2;
 # interleaved: 2i and 2i + 1) and the pass-through channels. QK^T is a sum over channels, so it is
-# three dots, q_a.k_a + q_b.k_b + q_pass.k_pass, whatever order the channels had in memory.
-# (Measured alternative: one full-width rotated tile, x * cos + x[partner] * sin with the partner
-# read by a second load, then one dot. It was 20-37% slower on an H200:
+# three dots, q_a.k_a + q_b.k_b + q_pass.k_pass, whatever order the channels had in memory: the
+# channels are each dot's inner (K) dimension, and splitting that costs nothing. The backward's
+# dK = dS^T Rq and dQ = dS Rk put the channels on the dots' N dimension instead, where halves
+# make thin dots (N = 32 at d = 64). There, at d <= 64, each pair is held side by side in one
+# tile (a0 b0 a1 b1 ..., joined in registers: any channel order that q and k share gives the same
+# scores), so that dK and dQ are one dot each; they are split back into halves once, to be
+# rotated back. On an H200 that made the backward 5-10% faster at d = 64; at d = 128, whose
+# halves are 64 wide already, it was 8% slower, and a joined forward was no faster (25% slower
+# when causal). Measured alternative: one full-width rotated tile, x * cos + x[partner] * sin with
+# the partner read by a second load, then one dot: 20-37% slower. (All in
 # results/04_rope_attention_ab.log.) Interleaved pairs are loaded as one contiguous [rows, d2]
 # tile and split in registers: two stride-2 loads each waste half of every memory transaction.
 #
@@ -201,6 +208,18 @@ def _load_head(base, pos, mask, stride_s, stride_d, trig_ptr, half, rot_dim, hea
 
 
 @triton.jit
+def _pairs_side_by_side(x_a, x_b):
+    """[rows, HALF] twice -> one [rows, 2 * HALF] tile, a0 b0 a1 b1 ... (joined in registers)."""
+    return tl.reshape(tl.join(x_a, x_b), (x_a.shape[0], 2 * x_a.shape[1]))
+
+
+@triton.jit
+def _pairs_apart(x):
+    """The inverse of _pairs_side_by_side: (x_a, x_b)."""
+    return tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+
+
+@triton.jit
 def _store_head_grad(base, pos, mask, stride_s, stride_d, g_a, g_b, g_p, trig_ptr, half, rot_dim, head_dim,
                      HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, SHARED: tl.constexpr):
     """Rotate a gradient from the rotated basis back (R^T) and store it in the tensor's dtype."""
@@ -210,8 +229,7 @@ def _store_head_grad(base, pos, mask, stride_s, stride_d, g_a, g_b, g_p, trig_pt
     r_a, r_b = (g_a * cos_a + g_b * sin_b).to(dtype), (g_b * cos_b - g_a * sin_a).to(dtype)
     if INTERLEAVED:  # pairs joined in registers, one contiguous store
         c = tl.arange(0, 2 * HALF)[None, :]
-        tl.store(rows + c * stride_d, tl.reshape(tl.join(r_a, r_b), (r_a.shape[0], 2 * HALF)),
-                 mask=mask[:, None] & (c < rot_dim))
+        tl.store(rows + c * stride_d, _pairs_side_by_side(r_a, r_b), mask=mask[:, None] & (c < rot_dim))
     else:
         a, b, m = _pair_channels(mask, half, HALF, INTERLEAVED)
         tl.store(rows + a * stride_d, r_a, mask=m)
@@ -331,10 +349,13 @@ def rope_attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     INTERLEAVED: tl.constexpr, SHARED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr, W: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    JOIN_PAIRS: tl.constexpr,
 ):
     """One block of keys of one k/v head: dK and dV, summed over the q heads of its group; with
-    ATOMIC_DQ, also this block's share of dQ, added into a float32 buffer [b * h, s, W] (rotated
-    basis, the a | b | pass parts side by side) that every key block of the head adds to."""
+    ATOMIC_DQ, also this block's share of dQ, added into a float32 buffer [b * h, s, W] that every
+    key block of the head adds to (rotated basis: the a halves then the b halves, or with JOIN_PAIRS
+    the pairs side by side; then the pass-through channels). JOIN_PAIRS: hold each rotated pair side
+    by side in one tile, so that dK and dQ are one dot each with N = d2 (the text above says why)."""
     pid_n, bh = tl.program_id(0), tl.program_id(1)
     b, hk = (bh // n_kv_heads).to(tl.int64), (bh % n_kv_heads).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -342,8 +363,10 @@ def rope_attn_bwd_dkdv_kernel(
     d = tl.arange(0, D)[None, :]
     k_a, k_b, k_p = _load_head(k_ptr + b * stride_kb + hk * stride_kh, offs_n, n_mask, stride_ks, stride_kd,
                                trig_ptr, half, rot_dim, head_dim, 1.0, HALF, PASS, INTERLEAVED, SHARED)
+    k_r = _pairs_side_by_side(k_a, k_b)  # used with JOIN_PAIRS (else compiled away, as are the unused zeros)
     v = tl.load(v_ptr + b * stride_vb + hk * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vs + d * stride_vd,
                 mask=n_mask[:, None] & (d < head_dim), other=0.0)
+    dk_r = tl.zeros((BLOCK_N, 2 * HALF), tl.float32)
     dk_a = tl.zeros((BLOCK_N, HALF), tl.float32)
     dk_b = tl.zeros((BLOCK_N, HALF), tl.float32)
     dk_p = tl.zeros((BLOCK_N, PASS), tl.float32)
@@ -361,7 +384,13 @@ def rope_attn_bwd_dkdv_kernel(
             m_mask = offs_m < seqlen
             q_a, q_b, q_p = _load_head(q_base, offs_m, m_mask, stride_qs, stride_qd, trig_ptr, half, rot_dim,
                                        head_dim, qk_scale, HALF, PASS, INTERLEAVED, SHARED)
-            scores_t = _qk(k_a, k_b, k_p, q_a, q_b, q_p, HAS_PASS)  # S^T: [BLOCK_N, BLOCK_M]
+            if JOIN_PAIRS:  # S^T: [BLOCK_N, BLOCK_M]
+                q_r = _pairs_side_by_side(q_a, q_b)
+                scores_t = tl.dot(k_r, tl.trans(q_r))
+                if HAS_PASS:
+                    scores_t = tl.dot(k_p, tl.trans(q_p), scores_t)
+            else:
+                scores_t = _qk(k_a, k_b, k_p, q_a, q_b, q_p, HAS_PASS)
             lse = tl.load(lse_ptr + row_stats + offs_m, mask=m_mask, other=float("inf"))
             p_t = tl.exp2(scores_t - lse[None, :])
             if (not EVEN_N) or HAS_MASK:
@@ -376,21 +405,31 @@ def rope_attn_bwd_dkdv_kernel(
             dp_t = tl.dot(v, tl.trans(do))
             delta = tl.load(delta_ptr + row_stats + offs_m, mask=m_mask, other=0.0)
             ds_t = (p_t * (dp_t - delta[None, :])).to(q_a.dtype)
-            dk_a = tl.dot(ds_t, q_a, dk_a)
-            dk_b = tl.dot(ds_t, q_b, dk_b)
+            if JOIN_PAIRS:
+                dk_r = tl.dot(ds_t, q_r, dk_r)
+            else:
+                dk_a = tl.dot(ds_t, q_a, dk_a)
+                dk_b = tl.dot(ds_t, q_b, dk_b)
             if HAS_PASS:
                 dk_p = tl.dot(ds_t, q_p, dk_p)
             if ATOMIC_DQ:
                 ds = tl.trans(ds_t)
                 acc_rows = dq_acc_ptr + (row_stats + offs_m.to(tl.int64))[:, None] * W
-                i = tl.arange(0, HALF)[None, :]
-                rows_ok = m_mask[:, None] & (i < HALF)  # (i < HALF is all true: it gives the mask the tile's shape)
-                tl.atomic_add(acc_rows + i, tl.dot(ds, k_a), mask=rows_ok, sem="relaxed")
-                tl.atomic_add(acc_rows + HALF + i, tl.dot(ds, k_b), mask=rows_ok, sem="relaxed")
+                if JOIN_PAIRS:
+                    j = tl.arange(0, 2 * HALF)[None, :]
+                    rows_ok = m_mask[:, None] & (j < 2 * HALF)  # (j < 2 * HALF is all true: it gives the tile's shape)
+                    tl.atomic_add(acc_rows + j, tl.dot(ds, k_r), mask=rows_ok, sem="relaxed")
+                else:
+                    i = tl.arange(0, HALF)[None, :]
+                    rows_ok = m_mask[:, None] & (i < HALF)
+                    tl.atomic_add(acc_rows + i, tl.dot(ds, k_a), mask=rows_ok, sem="relaxed")
+                    tl.atomic_add(acc_rows + HALF + i, tl.dot(ds, k_b), mask=rows_ok, sem="relaxed")
                 if HAS_PASS:
                     c = tl.arange(0, PASS)[None, :]
                     tl.atomic_add(acc_rows + 2 * HALF + c, tl.dot(ds, k_p), mask=m_mask[:, None] & (c < PASS),
                                   sem="relaxed")
+    if JOIN_PAIRS:
+        dk_a, dk_b = _pairs_apart(dk_r)
     # q carried scale * log2(e); dS/dRk wants scale alone
     _store_head_grad(dk_ptr + b * stride_dkb + hk * stride_dkh, offs_n, n_mask, stride_dks, stride_dkd,
                      dk_a * LN2, dk_b * LN2, dk_p * LN2, trig_ptr, half, rot_dim, head_dim, HALF, PASS,
@@ -404,7 +443,7 @@ def rope_attn_bwd_dq_store_kernel(
     dq_acc_ptr, dq_ptr, trig_ptr, sm_scale, seqlen, n_heads, half, rot_dim, head_dim,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     BLOCK_M: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, W: tl.constexpr, INTERLEAVED: tl.constexpr,
-    SHARED: tl.constexpr, HAS_PASS: tl.constexpr,
+    SHARED: tl.constexpr, HAS_PASS: tl.constexpr, JOIN_PAIRS: tl.constexpr,
 ):
     """dQ from the float32 buffer the dkdv kernel added into: scaled, rotated back, stored in q's dtype."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -414,8 +453,12 @@ def rope_attn_bwd_dq_store_kernel(
     rows = dq_acc_ptr + (bh.to(tl.int64) * seqlen + offs_m)[:, None] * W
     i = tl.arange(0, HALF)[None, :]
     c = tl.arange(0, PASS)[None, :]
-    g_a = tl.load(rows + i, mask=m_mask[:, None], other=0.0) * sm_scale
-    g_b = tl.load(rows + HALF + i, mask=m_mask[:, None], other=0.0) * sm_scale
+    if JOIN_PAIRS:
+        g_r = tl.load(rows + tl.arange(0, 2 * HALF)[None, :], mask=m_mask[:, None], other=0.0) * sm_scale
+        g_a, g_b = _pairs_apart(g_r)
+    else:
+        g_a = tl.load(rows + i, mask=m_mask[:, None], other=0.0) * sm_scale
+        g_b = tl.load(rows + HALF + i, mask=m_mask[:, None], other=0.0) * sm_scale
     if HAS_PASS:
         g_p = tl.load(rows + 2 * HALF + c, mask=m_mask[:, None], other=0.0) * sm_scale
     else:
@@ -588,15 +631,19 @@ class _RoPEAttention(torch.autograd.Function):
         width = 2 * common["HALF"] + (common["PASS"] if common["HAS_PASS"] else 0)
         dq_acc = torch.zeros(batch * n_heads, seqlen, width, device=q.device, dtype=torch.float32) if atomic_dq else lse
         cfg = _config(head_dim, "dkdv", common["SHARED"])
+        # pairs side by side where halves would make thin dots (N = d2 / 2 <= 32): 5-10% faster at
+        # d = 64 on an H200; at d = 128 the halves are 64 wide, and joining was 8% slower
+        join_pairs = head_dim <= 64
         rope_attn_bwd_dkdv_kernel[(triton.cdiv(seqlen, cfg["BLOCK_N"]), batch * n_kv_heads)](
             q, k, v, do, dk, dv, dq_acc, lse, delta, trig, key_mask, sm_scale * LOG2E, *scalars, n_kv_heads,
             n_heads // n_kv_heads, rot_dim // 2, rot_dim, head_dim, *strides(q, k, v, do, dk, dv),
-            EVEN_N=seqlen % cfg["BLOCK_N"] == 0, W=width, ATOMIC_DQ=atomic_dq, **common, **cfg)
+            EVEN_N=seqlen % cfg["BLOCK_N"] == 0, W=width, ATOMIC_DQ=atomic_dq, JOIN_PAIRS=join_pairs, **common,
+            **cfg)
         if atomic_dq:
             rope_attn_bwd_dq_store_kernel[(triton.cdiv(seqlen, 64), batch * n_heads)](
                 dq_acc, dq, trig, sm_scale, seqlen, n_heads, rot_dim // 2, rot_dim, head_dim, *strides(dq),
                 BLOCK_M=64, HALF=common["HALF"], PASS=common["PASS"], W=width, INTERLEAVED=common["INTERLEAVED"],
-                SHARED=common["SHARED"], HAS_PASS=common["HAS_PASS"])
+                SHARED=common["SHARED"], HAS_PASS=common["HAS_PASS"], JOIN_PAIRS=join_pairs)
             return dq, dk, dv, None, None, None, None, None, None
         cfg = _config(head_dim, "dq", common["SHARED"])
         rope_attn_bwd_dq_kernel[(triton.cdiv(seqlen, cfg["BLOCK_M"]), batch * n_heads)](
