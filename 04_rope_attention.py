@@ -765,8 +765,10 @@ def self_check():
 # bf16, against the best unfused path: 03's RoPE (apply_rotary_pos_emb_qk) on q and k, then
 # scaled_dot_product_attention with each backend (cuDNN, flash, efficient) and FlexAttention.
 # TF/s count 4*b*h*s^2*d FLOPs (halved when causal; x3.5 for forward + backward). GPU time from a
-# CUDA graph when the call can be captured, else from do_bench; the table says which. Then a sweep
-# of sequence lengths at a fixed number of tokens, for the plot of TF/s against s.
+# CUDA graph when the call can be captured, else from do_bench; the table says which. The yardstick,
+# timed the same way in the same run, is a bf16 8192^3 matmul: attention is matmuls, so that is its
+# ceiling on this GPU. Then a sweep of sequence lengths at a fixed number of tokens, for the plot of
+# TF/s against s.
 
 BENCH_SHAPES = [  # (b, h, s, d, causal, padding mask)
     (16, 12, 512, 64, False, False), (16, 12, 512, 64, False, True), (8, 16, 2048, 64, False, False),
@@ -877,28 +879,40 @@ def measure(b, h, s, d, causal, padded, rope03, providers=None):
     return rows
 
 
+def matmul_tflops():
+    """The yardstick: TF/s of a bf16 [8192, 8192] @ [8192, 8192] matmul on this GPU (None on the CPU)."""
+    if DEVICE.type != "cuda":
+        return None
+    a, b = (torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    return 2 * 8192**3 / _time_ms(lambda: a @ b)[0] / 1e9
+
+
 def benchmark():
-    """(rows at the issue's shapes, rows of the sequence-length sweep)."""
+    """(rows at the issue's shapes, rows of the sequence-length sweep, the matmul yardstick in TF/s)."""
     on_gpu = DEVICE.type == "cuda"
     if not on_gpu:
         print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
               "show that the benchmark runs; they say nothing about speed.")
+    yardstick = matmul_tflops()
+    if yardstick:
+        print(f"yardstick: a bf16 8192^3 matmul runs at {yardstick:.0f} TF/s on this GPU")
     rope03 = _load_sibling("03_rope_bwd.py") if on_gpu else None
     rows = [r for shape in (BENCH_SHAPES if on_gpu else CPU_SHAPES) for r in measure(*shape, rope03)]
     print("\nsequence-length sweep:")
     sweep = [r for s in (SWEEP_LENGTHS if on_gpu else CPU_SWEEP_LENGTHS)
              for r in measure(max(1, SWEEP_TOKENS // s) if on_gpu else 1, 16 if on_gpu else 2, s, 64 if on_gpu else 32,
                               False, False, rope03, providers=("ours", "cuDNN", "flash", "Flex"))]
-    return rows, sweep
+    return rows, sweep, yardstick
 
 
-def markdown_table(rows):
-    lines = ["| (b, h, s, d) | causal | padding mask | provider | fwd TF/s | fwd+bwd TF/s | peak extra memory, fwd+bwd | timing |",
-             "|---|---|---|---|---|---|---|---|"]
+def markdown_table(rows, yardstick):
+    lines = ["| (b, h, s, d) | causal | padding mask | provider | fwd TF/s | fwd+bwd TF/s | of the matmul, "
+             "fwd / fwd+bwd | peak extra memory, fwd+bwd | timing |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        of_matmul = f"{r['fwd_tflops'] / yardstick:.0%} / {r['both_tflops'] / yardstick:.0%}" if yardstick else "n/a"
         lines.append(f"| {r['shape']} | {r['causal']} | {r['padded']} | {r['provider']} | {r['fwd_tflops']:.0f} "
                      f"({r['fwd_ms'] * 1e3:.0f} us) | {r['both_tflops']:.0f} ({r['both_ms'] * 1e3:.0f} us) | "
-                     f"{r['peak_mb']:.0f} MiB | {r['timing']} |")
+                     f"{of_matmul} | {r['peak_mb']:.0f} MiB | {r['timing']} |")
     return "\n".join(lines)
 
 
@@ -908,16 +922,17 @@ def environment():
             f"triton {triton.__version__}; python {platform.python_version()}")
 
 
-def save_results(rows, sweep, results_dir):
+def save_results(rows, sweep, yardstick, results_dir):
     os.makedirs(results_dir, exist_ok=True)
     with open(os.path.join(results_dir, "04_rope_attention.md"), "w") as f:
-        f.write(f"# RoPE + attention, fused against RoPE then attention\n\n{environment()}\n\nbf16. TF/s count "
+        f.write(f"# RoPE + attention, fused against RoPE then attention\n\n{environment()}\n\nThe yardstick: a "
+                f"bf16 8192^3 matmul ran at {yardstick:.0f} TF/s in this run, timed the same way.\n\nbf16. TF/s count "
                 "4*b*h*s^2*d FLOPs, halved when causal, x3.5 for forward + backward. 'graph': GPU time replayed "
                 "from a CUDA graph (median of three do_bench_cudagraph medians); 'stream': do_bench. Peak extra "
                 "memory: what one forward + backward allocated above the inputs. Raw log: "
-                f"`04_rope_attention.log`.\n\n{markdown_table(rows)}\n\n## TF/s against sequence length\n\n"
+                f"`04_rope_attention.log`.\n\n{markdown_table(rows, yardstick)}\n\n## TF/s against sequence length\n\n"
                 f"{SWEEP_TOKENS} tokens a batch (b = {SWEEP_TOKENS} / s), 16 heads of dim 64, not causal, no mask "
-                f"(plot: `04_rope_attention_seqlen.png`).\n\n{markdown_table(sweep)}\n")
+                f"(plot: `04_rope_attention_seqlen.png`).\n\n{markdown_table(sweep, yardstick)}\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -961,7 +976,7 @@ if __name__ == "__main__":
     args = parser.parse_args()
     print(environment())
     self_check()
-    rows, sweep = benchmark()
+    rows, sweep, yardstick = benchmark()
     if DEVICE.type == "cuda":
-        save_results(rows, sweep, args.results)
-        print("\n" + markdown_table(rows) + "\n\n" + markdown_table(sweep))
+        save_results(rows, sweep, yardstick, args.results)
+        print("\n" + markdown_table(rows, yardstick) + "\n\n" + markdown_table(sweep, yardstick))
