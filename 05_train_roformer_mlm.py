@@ -102,7 +102,7 @@ class RoFormerSelfAttention(nn.Module):
 
     def forward(self, x, freqs, mask):
         """mask: [b, s], 1 = a real token, or None when there is no padding (packed text): every path
-        then runs without one (SDPA can pick its flash backend, 04 its unmasked kernel)."""
+        then runs without one (SDPA can pick a fused backend, cuDNN on an H200; 04 its unmasked kernel)."""
         b, s, hidden = x.shape
         # One matmul for q, k and v (the checkpoint keeps three Linear layers): x is read, cast to bf16
         # under autocast and saved for the backward once instead of three times.
