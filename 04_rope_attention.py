@@ -129,8 +129,8 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # tile (a0 b0 a1 b1 ..., joined in registers: any channel order that q and k share gives the same
 # scores), so that dK and dQ are one dot each; they are split back into halves once, to be
 # rotated back. On an H200 that made the backward 5-10% faster at d = 64; at d = 128, whose
-# halves are 64 wide already, it was 8% slower, and a joined forward was no faster (25% slower
-# when causal). Measured alternative: one full-width rotated tile, x * cos + x[partner] * sin with
+# halves are 64 wide already, it was 8% slower. A joined forward was no faster at d = 64 (25%
+# slower when causal) and 10% slower at d = 128. Measured alternative: one full-width rotated tile, x * cos + x[partner] * sin with
 # the partner read by a second load, then one dot: 20-37% slower. (All in
 # results/04_rope_attention_ab.log.) Interleaved pairs are loaded as one contiguous [rows, d2]
 # tile and split in registers: two stride-2 loads each waste half of every memory transaction.
@@ -300,7 +300,9 @@ def rope_attn_fwd_kernel(
             scores = tl.where(_visible(offs_m, offs_n, seqlen, key_mask_row, CAUSAL, HAS_MASK, EVEN_N), scores,
                               float("-inf"))
         elif CAUSAL:
-            if start_n + BLOCK_N > pid_m * BLOCK_M:  # only the diagonal blocks need the causal mask
+            # only the diagonal blocks need the causal mask (a second, branch-free loop for the blocks
+            # left of the diagonal, as in Triton's tutorial, was 20% slower here on an H200)
+            if start_n + BLOCK_N > pid_m * BLOCK_M:
                 scores = tl.where(offs_m[:, None] >= offs_n[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         if HAS_MASK:  # a row that has seen no visible key yet keeps m = -inf: subtract 0 instead
@@ -337,6 +339,26 @@ def rope_attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, seqlen, n_heads, head_d
     do = tl.load(do_ptr + b * stride_db + h * stride_dh + rows * stride_ds + d * stride_dd, mask=mask, other=0.0)
     tl.store(delta_ptr + bh.to(tl.int64) * seqlen + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1),
              mask=offs_m < seqlen)
+
+
+@triton.jit
+def _add_dq_share(dq_rows, m_mask, ds_t, k_r, k_a, k_b, k_p, HALF: tl.constexpr, PASS: tl.constexpr,
+                  HAS_PASS: tl.constexpr, JOIN_PAIRS: tl.constexpr):
+    """Add one key block's share of d(Rq), dS Rk, into the float32 rows `dq_rows` (atomically: every
+    key block of the head adds to the same rows)."""
+    ds = tl.trans(ds_t)
+    if JOIN_PAIRS:
+        j = tl.arange(0, 2 * HALF)[None, :]
+        rows_ok = m_mask[:, None] & (j < 2 * HALF)  # (j < 2 * HALF is all true: it gives the tile's shape)
+        tl.atomic_add(dq_rows + j, tl.dot(ds, k_r), mask=rows_ok, sem="relaxed")
+    else:
+        i = tl.arange(0, HALF)[None, :]
+        rows_ok = m_mask[:, None] & (i < HALF)
+        tl.atomic_add(dq_rows + i, tl.dot(ds, k_a), mask=rows_ok, sem="relaxed")
+        tl.atomic_add(dq_rows + HALF + i, tl.dot(ds, k_b), mask=rows_ok, sem="relaxed")
+    if HAS_PASS:
+        c = tl.arange(0, PASS)[None, :]
+        tl.atomic_add(dq_rows + 2 * HALF + c, tl.dot(ds, k_p), mask=m_mask[:, None] & (c < PASS), sem="relaxed")
 
 
 @triton.jit
@@ -405,6 +427,12 @@ def rope_attn_bwd_dkdv_kernel(
             dp_t = tl.dot(v, tl.trans(do))
             delta = tl.load(delta_ptr + row_stats + offs_m, mask=m_mask, other=0.0)
             ds_t = (p_t * (dp_t - delta[None, :])).to(q_a.dtype)
+            # The order of the last two steps matters to Triton's schedule: at d <= 64, adding the dQ
+            # share before the dK dot made the backward 3-6% faster on an H200; at d = 128 that
+            # order needs more shared memory than an SM has at 3 stages, so there dK goes first.
+            dq_rows = dq_acc_ptr + (row_stats + offs_m.to(tl.int64))[:, None] * W
+            if ATOMIC_DQ and JOIN_PAIRS:
+                _add_dq_share(dq_rows, m_mask, ds_t, k_r, k_a, k_b, k_p, HALF, PASS, HAS_PASS, JOIN_PAIRS)
             if JOIN_PAIRS:
                 dk_r = tl.dot(ds_t, q_r, dk_r)
             else:
@@ -412,22 +440,8 @@ def rope_attn_bwd_dkdv_kernel(
                 dk_b = tl.dot(ds_t, q_b, dk_b)
             if HAS_PASS:
                 dk_p = tl.dot(ds_t, q_p, dk_p)
-            if ATOMIC_DQ:
-                ds = tl.trans(ds_t)
-                acc_rows = dq_acc_ptr + (row_stats + offs_m.to(tl.int64))[:, None] * W
-                if JOIN_PAIRS:
-                    j = tl.arange(0, 2 * HALF)[None, :]
-                    rows_ok = m_mask[:, None] & (j < 2 * HALF)  # (j < 2 * HALF is all true: it gives the tile's shape)
-                    tl.atomic_add(acc_rows + j, tl.dot(ds, k_r), mask=rows_ok, sem="relaxed")
-                else:
-                    i = tl.arange(0, HALF)[None, :]
-                    rows_ok = m_mask[:, None] & (i < HALF)
-                    tl.atomic_add(acc_rows + i, tl.dot(ds, k_a), mask=rows_ok, sem="relaxed")
-                    tl.atomic_add(acc_rows + HALF + i, tl.dot(ds, k_b), mask=rows_ok, sem="relaxed")
-                if HAS_PASS:
-                    c = tl.arange(0, PASS)[None, :]
-                    tl.atomic_add(acc_rows + 2 * HALF + c, tl.dot(ds, k_p), mask=m_mask[:, None] & (c < PASS),
-                                  sem="relaxed")
+            if ATOMIC_DQ and not JOIN_PAIRS:
+                _add_dq_share(dq_rows, m_mask, ds_t, k_r, k_a, k_b, k_p, HALF, PASS, HAS_PASS, JOIN_PAIRS)
     if JOIN_PAIRS:
         dk_a, dk_b = _pairs_apart(dk_r)
     # q carried scale * log2(e); dS/dRk wants scale alone
