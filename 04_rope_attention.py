@@ -798,8 +798,8 @@ def _time_ms(fn):
         fn()
         return (time.perf_counter() - start) * 1e3, "wall"
     try:
-        with torch.cuda.stream(torch.cuda.Stream()):
-            return statistics.median(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+        with torch.cuda.stream(torch.cuda.Stream()):  # each: 10 replays of a graph of ~40 ms of calls
+            return statistics.median(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
                                      for _ in range(3)), "graph"
     except Exception:  # not capturable (e.g. a first call that syncs): time calls issued one by one
         torch.cuda.synchronize()
@@ -942,7 +942,7 @@ def save_results(rows, sweep, yardstick, results_dir):
         f.write(f"# RoPE + attention, fused against RoPE then attention\n\n{environment()}\n\nThe yardstick: a "
                 f"bf16 8192^3 matmul ran at {yardstick:.0f} TF/s in this run, timed the same way.\n\nbf16. TF/s count "
                 "4*b*h*s^2*d FLOPs, halved when causal, x3.5 for forward + backward. 'graph': GPU time replayed "
-                "from a CUDA graph (median of three do_bench_cudagraph medians); 'stream': do_bench. Peak extra "
+                "from a CUDA graph (median of three do_bench_cudagraph(rep=40) medians); 'stream': do_bench. Peak extra "
                 "memory: what one forward + backward allocated above the inputs. Raw log: "
                 f"`04_rope_attention.log`.\n\n{markdown_table(rows, yardstick)}\n\n## TF/s against sequence length\n\n"
                 f"{SWEEP_TOKENS} tokens a batch (b = {SWEEP_TOKENS} / s), 16 heads of dim 64, not causal, no mask "
