@@ -153,10 +153,30 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # backward takes the second-kernel route, whose sums have a fixed order. On an H200 the atomics
 # took fwd+bwd from 279 to 319 TF/s at (4, 32, 4096, 128) and from 171 to 184 at
 # (8, 16, 2048, 64) causal; at s = 512 and 2048 without causality the two routes tie.
+#
+# Offsets and registers
+# ---------------------
+# Each element a tile loads needs its own address, and the tiles of offsets are registers held
+# next to the accumulators: at 8 warps these kernels sit at or near the limit of 255 registers a
+# thread. So a head's base pointer is computed in int64 once, and the offsets within the head
+# (position * row stride) are int32, half the registers of int64; they switch to int64 (WIDE)
+# only for a tensor whose rows within one head could span 2^31 elements. On an H200 int32 made the
+# forward 3-4% faster at most shapes, and 35% faster with interleaved pairs under a causal mask
+# (whose kernel had needed 150 registers, now 118); forward + backward gained 1-3% (9% there).
 
 # %%
 # The kernels
 # -----------
+
+
+@triton.jit
+def _positions(start, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """Positions start ... start + BLOCK - 1 as int32, or int64 when an offset within one head
+    can reach 2^31 elements (WIDE; the text above says why int32 is the default)."""
+    pos = start + tl.arange(0, BLOCK)
+    if WIDE:
+        pos = pos.to(tl.int64)
+    return pos
 
 
 @triton.jit
@@ -165,7 +185,7 @@ def _trig(trig_ptr, pos, mask, half, HALF: tl.constexpr, SHARED: tl.constexpr):
     float16: half the bytes, and 2^-11 relative error, under a bf16 product's rounding)."""
     i = tl.arange(0, HALF)[None, :]
     m = mask[:, None] & (i < half)
-    rows = trig_ptr + pos.to(tl.int64)[:, None] * ((2 if SHARED else 4) * half) + i
+    rows = trig_ptr + pos[:, None] * ((2 if SHARED else 4) * half) + i
     cos_a = tl.load(rows, mask=m, other=0.0).to(tl.float32)
     sin_a = tl.load(rows + half, mask=m, other=0.0).to(tl.float32)
     if SHARED:  # a true rotation table: the b angles are the a angles, and only cos_a, sin_a are stored
@@ -189,7 +209,7 @@ def _pair_channels(mask, half, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
 def _load_head(base, pos, mask, stride_s, stride_d, trig_ptr, half, rot_dim, head_dim, scale,
                HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, SHARED: tl.constexpr):
     """Rows `pos` of one head, rotated and multiplied by `scale`: (x_a, x_b, x_pass) in x's dtype."""
-    rows = base + pos.to(tl.int64)[:, None] * stride_s
+    rows = base + pos[:, None] * stride_s
     if INTERLEAVED:  # one contiguous load of the pairs, split in registers (two stride-2 loads waste half of each)
         c = tl.arange(0, 2 * HALF)[None, :]
         x = tl.load(rows + c * stride_d, mask=mask[:, None] & (c < rot_dim), other=0.0)
@@ -224,7 +244,7 @@ def _store_head_grad(base, pos, mask, stride_s, stride_d, g_a, g_b, g_p, trig_pt
                      HALF: tl.constexpr, PASS: tl.constexpr, INTERLEAVED: tl.constexpr, SHARED: tl.constexpr):
     """Rotate a gradient from the rotated basis back (R^T) and store it in the tensor's dtype."""
     cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, pos, mask, half, HALF, SHARED)
-    rows = base + pos.to(tl.int64)[:, None] * stride_s
+    rows = base + pos[:, None] * stride_s
     dtype = base.dtype.element_ty
     r_a, r_b = (g_a * cos_a + g_b * sin_b).to(dtype), (g_b * cos_b - g_a * sin_a).to(dtype)
     if INTERLEAVED:  # pairs joined in registers, one contiguous store
@@ -270,11 +290,11 @@ def rope_attn_fwd_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd, stride_ob, stride_os, stride_oh, stride_od,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     INTERLEAVED: tl.constexpr, SHARED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr, WIDE: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // n_heads, bh % n_heads
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = _positions(pid_m * BLOCK_M, BLOCK_M, WIDE)
     m_mask = offs_m < seqlen
     b64 = b.to(tl.int64)
     # q: rotated once, with the softmax scale (in log2 units, for exp2) folded in
@@ -291,7 +311,7 @@ def rope_attn_fwd_kernel(
     if CAUSAL:
         hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen)
     for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n = _positions(start_n, BLOCK_N, WIDE)
         n_mask = offs_n < seqlen
         k_a, k_b, k_p = _load_head(k_base, offs_n, n_mask, stride_ks, stride_kd, trig_ptr, half, rot_dim, head_dim,
                                    1.0, HALF, PASS, INTERLEAVED, SHARED)
@@ -312,13 +332,13 @@ def rope_attn_fwd_kernel(
         p = tl.exp2(scores - m_new_safe[:, None])
         alpha = tl.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs + d * stride_vd,
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + d * stride_vd,
                     mask=n_mask[:, None] & (d < head_dim), other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     empty = l_i == 0.0  # rows that saw no key: output 0, and lse = +inf so the backward's p is 0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    o_rows = o_ptr + b64 * stride_ob + h.to(tl.int64) * stride_oh + offs_m.to(tl.int64)[:, None] * stride_os
+    o_rows = o_ptr + b64 * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_os
     tl.store(o_rows + d * stride_od, out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & (d < head_dim))
     tl.store(lse_ptr + bh.to(tl.int64) * seqlen + offs_m, tl.where(empty, float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i))),
              mask=m_mask)
@@ -371,7 +391,7 @@ def rope_attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     INTERLEAVED: tl.constexpr, SHARED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr, W: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    JOIN_PAIRS: tl.constexpr,
+    JOIN_PAIRS: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One block of keys of one k/v head: dK and dV, summed over the q heads of its group; with
     ATOMIC_DQ, also this block's share of dQ, added into a float32 buffer [b * h, s, W] that every
@@ -380,13 +400,13 @@ def rope_attn_bwd_dkdv_kernel(
     by side in one tile, so that dK and dQ are one dot each with N = d2 (the text above says why)."""
     pid_n, bh = tl.program_id(0), tl.program_id(1)
     b, hk = (bh // n_kv_heads).to(tl.int64), (bh % n_kv_heads).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = _positions(pid_n * BLOCK_N, BLOCK_N, WIDE)
     n_mask = offs_n < seqlen
     d = tl.arange(0, D)[None, :]
     k_a, k_b, k_p = _load_head(k_ptr + b * stride_kb + hk * stride_kh, offs_n, n_mask, stride_ks, stride_kd,
                                trig_ptr, half, rot_dim, head_dim, 1.0, HALF, PASS, INTERLEAVED, SHARED)
     k_r = _pairs_side_by_side(k_a, k_b)  # used with JOIN_PAIRS (else compiled away, as are the unused zeros)
-    v = tl.load(v_ptr + b * stride_vb + hk * stride_vh + offs_n.to(tl.int64)[:, None] * stride_vs + d * stride_vd,
+    v = tl.load(v_ptr + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + d * stride_vd,
                 mask=n_mask[:, None] & (d < head_dim), other=0.0)
     dk_r = tl.zeros((BLOCK_N, 2 * HALF), tl.float32)
     dk_a = tl.zeros((BLOCK_N, HALF), tl.float32)
@@ -402,7 +422,7 @@ def rope_attn_bwd_dkdv_kernel(
         do_base = do_ptr + b * stride_db + h * stride_dh
         row_stats = (b * n_heads + h) * seqlen
         for start_m in range(start, seqlen, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
+            offs_m = _positions(start_m, BLOCK_M, WIDE)
             m_mask = offs_m < seqlen
             q_a, q_b, q_p = _load_head(q_base, offs_m, m_mask, stride_qs, stride_qd, trig_ptr, half, rot_dim,
                                        head_dim, qk_scale, HALF, PASS, INTERLEAVED, SHARED)
@@ -421,7 +441,7 @@ def rope_attn_bwd_dkdv_kernel(
             elif CAUSAL:
                 if start_m < (pid_n + 1) * BLOCK_N - 1:  # only the blocks on the diagonal need the causal mask
                     p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
-            do = tl.load(do_base + offs_m.to(tl.int64)[:, None] * stride_ds + d * stride_dd,
+            do = tl.load(do_base + offs_m[:, None] * stride_ds + d * stride_dd,
                          mask=m_mask[:, None] & (d < head_dim), other=0.0)
             dv = tl.dot(p_t.to(do.dtype), do, dv)
             dp_t = tl.dot(v, tl.trans(do))
@@ -430,7 +450,7 @@ def rope_attn_bwd_dkdv_kernel(
             # The order of the last two steps matters to Triton's schedule: at d <= 64, adding the dQ
             # share before the dK dot made the backward 3-6% faster on an H200; at d = 128 that
             # order needs more shared memory than an SM has at 3 stages, so there dK goes first.
-            dq_rows = dq_acc_ptr + (row_stats + offs_m.to(tl.int64))[:, None] * W
+            dq_rows = (dq_acc_ptr + row_stats * W) + offs_m[:, None] * W
             if ATOMIC_DQ and JOIN_PAIRS:
                 _add_dq_share(dq_rows, m_mask, ds_t, k_r, k_a, k_b, k_p, HALF, PASS, HAS_PASS, JOIN_PAIRS)
             if JOIN_PAIRS:
@@ -448,7 +468,7 @@ def rope_attn_bwd_dkdv_kernel(
     _store_head_grad(dk_ptr + b * stride_dkb + hk * stride_dkh, offs_n, n_mask, stride_dks, stride_dkd,
                      dk_a * LN2, dk_b * LN2, dk_p * LN2, trig_ptr, half, rot_dim, head_dim, HALF, PASS,
                      INTERLEAVED, SHARED)
-    tl.store(dv_ptr + b * stride_dvb + hk * stride_dvh + offs_n.to(tl.int64)[:, None] * stride_dvs + d * stride_dvd,
+    tl.store(dv_ptr + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvs + d * stride_dvd,
              dv.to(dv_ptr.dtype.element_ty), mask=n_mask[:, None] & (d < head_dim))
 
 
@@ -457,12 +477,12 @@ def rope_attn_bwd_dq_store_kernel(
     dq_acc_ptr, dq_ptr, trig_ptr, sm_scale, seqlen, n_heads, half, rot_dim, head_dim,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     BLOCK_M: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, W: tl.constexpr, INTERLEAVED: tl.constexpr,
-    SHARED: tl.constexpr, HAS_PASS: tl.constexpr, JOIN_PAIRS: tl.constexpr,
+    SHARED: tl.constexpr, HAS_PASS: tl.constexpr, JOIN_PAIRS: tl.constexpr, WIDE: tl.constexpr,
 ):
     """dQ from the float32 buffer the dkdv kernel added into: scaled, rotated back, stored in q's dtype."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = _positions(pid_m * BLOCK_M, BLOCK_M, WIDE)
     m_mask = offs_m < seqlen
     rows = dq_acc_ptr + (bh.to(tl.int64) * seqlen + offs_m)[:, None] * W
     i = tl.arange(0, HALF)[None, :]
@@ -490,17 +510,17 @@ def rope_attn_bwd_dq_kernel(
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     INTERLEAVED: tl.constexpr, SHARED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One block of queries of one q head: dQ, accumulated over the keys it sees."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = _positions(pid_m * BLOCK_M, BLOCK_M, WIDE)
     m_mask = offs_m < seqlen
     d = tl.arange(0, D)[None, :]
     q_a, q_b, q_p = _load_head(q_ptr + b * stride_qb + h * stride_qh, offs_m, m_mask, stride_qs, stride_qd, trig_ptr,
                                half, rot_dim, head_dim, qk_scale, HALF, PASS, INTERLEAVED, SHARED)
-    do = tl.load(do_ptr + b * stride_db + h * stride_dh + offs_m.to(tl.int64)[:, None] * stride_ds + d * stride_dd,
+    do = tl.load(do_ptr + b * stride_db + h * stride_dh + offs_m[:, None] * stride_ds + d * stride_dd,
                  mask=m_mask[:, None] & (d < head_dim), other=0.0)
     lse = tl.load(lse_ptr + bh.to(tl.int64) * seqlen + offs_m, mask=m_mask, other=float("inf"))
     delta = tl.load(delta_ptr + bh.to(tl.int64) * seqlen + offs_m, mask=m_mask, other=0.0)
@@ -513,7 +533,7 @@ def rope_attn_bwd_dq_kernel(
     if CAUSAL:
         hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen)
     for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n = _positions(start_n, BLOCK_N, WIDE)
         n_mask = offs_n < seqlen
         k_a, k_b, k_p = _load_head(k_base, offs_n, n_mask, stride_ks, stride_kd, trig_ptr, half, rot_dim, head_dim,
                                    1.0, HALF, PASS, INTERLEAVED, SHARED)
@@ -523,7 +543,7 @@ def rope_attn_bwd_dq_kernel(
         elif CAUSAL:
             if start_n + BLOCK_N > pid_m * BLOCK_M:  # only the blocks on the diagonal need the causal mask
                 p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
-        v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs + d * stride_vd,
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + d * stride_vd,
                     mask=n_mask[:, None] & (d < head_dim), other=0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = (p * (dp - delta[:, None])).to(k_a.dtype)
@@ -579,6 +599,18 @@ def _bshd_strides(x, tensor_format):
     return (s[1], s[0], s[2], s[3]) if tensor_format == "sbhd" else s
 
 
+# Row offsets within one head (position * row stride) are int32 in the kernels unless one could
+# reach this many elements; then WIDE makes them int64. (A test lowers it to run that path.)
+INT32_LIMIT = 2**31
+
+
+def _wide_offsets(seqlen, head_dim, tensor_format, trig, *tensors):
+    """WIDE: could some position's offset within one head (or one trig row) reach INT32_LIMIT?"""
+    ends = [(seqlen - 1) * abs(st[1]) + (head_dim - 1) * abs(st[3])
+            for st in (_bshd_strides(x, tensor_format) for x in tensors)]
+    return max(ends + [seqlen * trig.shape[1]]) >= INT32_LIMIT
+
+
 def _pow2(n, at_least=16):
     return max(at_least, 1 << (int(n) - 1).bit_length())
 
@@ -618,7 +650,8 @@ class _RoPEAttention(torch.autograd.Function):
         lse = torch.empty(batch, n_heads, seqlen, device=q.device, dtype=torch.float32)
         common = dict(HALF=_pow2(rot_dim // 2), PASS=_pow2(head_dim - rot_dim), D=_pow2(head_dim),
                       INTERLEAVED=interleaved, SHARED=shared, HAS_PASS=rot_dim < head_dim, CAUSAL=causal,
-                      HAS_MASK=attention_mask is not None)
+                      HAS_MASK=attention_mask is not None,
+                      WIDE=_wide_offsets(seqlen, head_dim, tensor_format, trig, q, k, v, o))
         cfg = _config(head_dim, "fwd", common["SHARED"])
         rope_attn_fwd_kernel[(triton.cdiv(seqlen, cfg["BLOCK_M"]), batch * n_heads)](
             q, k, v, o, lse, trig, key_mask, sm_scale * LOG2E, seqlen, n_heads, n_heads // n_kv_heads,
@@ -637,6 +670,7 @@ class _RoPEAttention(torch.autograd.Function):
         rope_attn_bwd_delta_kernel[(triton.cdiv(seqlen, 64), batch * n_heads)](
             o, do, delta, seqlen, n_heads, head_dim, *strides(o, do), BLOCK_M=64, D=common["D"])
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        common = dict(common, WIDE=_wide_offsets(seqlen, head_dim, tensor_format, trig, q, k, v, do, dq, dk, dv))
         scalars = (seqlen, n_heads)
         # dQ: added up by the dkdv kernel with float32 atomics (5 matmuls a tile pair in all, as in
         # FlashAttention 2), or, when torch.use_deterministic_algorithms(True) asks for a fixed sum
@@ -657,7 +691,7 @@ class _RoPEAttention(torch.autograd.Function):
             rope_attn_bwd_dq_store_kernel[(triton.cdiv(seqlen, 64), batch * n_heads)](
                 dq_acc, dq, trig, sm_scale, seqlen, n_heads, rot_dim // 2, rot_dim, head_dim, *strides(dq),
                 BLOCK_M=64, HALF=common["HALF"], PASS=common["PASS"], W=width, INTERLEAVED=common["INTERLEAVED"],
-                SHARED=common["SHARED"], HAS_PASS=common["HAS_PASS"], JOIN_PAIRS=join_pairs)
+                SHARED=common["SHARED"], HAS_PASS=common["HAS_PASS"], JOIN_PAIRS=join_pairs, WIDE=common["WIDE"])
             return dq, dk, dv, None, None, None, None, None, None
         cfg = _config(head_dim, "dq", common["SHARED"])
         rope_attn_bwd_dq_kernel[(triton.cdiv(seqlen, cfg["BLOCK_M"]), batch * n_heads)](

@@ -4,6 +4,8 @@ gradients as 03's RoPE + SDPA; rows with no visible key; memory; errors.
 
 On the CPU the interpreter runs fp16 only: Triton 3.9's interpreter computes bf16 tl.dot wrongly,
 so bf16 is tested on the GPU."""
+import contextlib
+
 import pytest
 import torch
 
@@ -133,6 +135,23 @@ def test_deterministic_backward(causal, masked, d, d2, interleaved):
     atomic = torch.autograd.grad(attn.rope_attention(q, k, v, freqs, **kwargs), (q, k, v), dout)
     for a, b in zip(first, atomic):  # the two routes differ only in the order of float32 sums
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_int64_offsets(monkeypatch, deterministic):
+    """Row offsets within one head are int32 in the kernels unless one could reach 2^31 elements
+    (then int64). Lowering that limit runs the int64 path on a small case, in every kernel."""
+    torch.manual_seed(7)
+    s = 100 if ON_GPU else 33
+    qkv, q, k, v = make(2, s, 4, 2, 64, tensor_format="sbhd", packed=True)
+    freqs = attn.rope_freqs(s, 64, interleaved=True, device=DEVICE)
+    trig = attn._trig_table(freqs, True)[0]
+    assert not attn._wide_offsets(s, 64, "sbhd", trig, q, k, v)
+    monkeypatch.setattr(attn, "INT32_LIMIT", (s - 1) * q.stride(0))  # q's last row now reaches the limit
+    assert attn._wide_offsets(s, 64, "sbhd", trig, q, k, v)
+    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
+        check(q, k, v, freqs, leaves=(qkv,), causal=True, attention_mask=padding_mask(2, s), interleaved=True,
+              tensor_format="sbhd")
 
 
 def test_rows_that_see_no_key_are_zero():
