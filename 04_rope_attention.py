@@ -670,13 +670,14 @@ class _RoPEAttention(torch.autograd.Function):
         rope_attn_bwd_delta_kernel[(triton.cdiv(seqlen, 64), batch * n_heads)](
             o, do, delta, seqlen, n_heads, head_dim, *strides(o, do), BLOCK_M=64, D=common["D"])
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        common = dict(common, WIDE=_wide_offsets(seqlen, head_dim, tensor_format, trig, q, k, v, do, dq, dk, dv))
         scalars = (seqlen, n_heads)
         # dQ: added up by the dkdv kernel with float32 atomics (5 matmuls a tile pair in all, as in
         # FlashAttention 2), or, when torch.use_deterministic_algorithms(True) asks for a fixed sum
         # order, by a second kernel that recomputes P and dP over the keys (7 matmuls).
         atomic_dq = not torch.are_deterministic_algorithms_enabled()
         width = 2 * common["HALF"] + (common["PASS"] if common["HAS_PASS"] else 0)
+        common = dict(common, WIDE=_wide_offsets(seqlen, head_dim, tensor_format, trig, q, k, v, do, dq, dk, dv)
+                      or seqlen * width >= INT32_LIMIT)  # the dq buffer's rows too
         dq_acc = torch.zeros(batch * n_heads, seqlen, width, device=q.device, dtype=torch.float32) if atomic_dq else lse
         cfg = _config(head_dim, "dkdv", common["SHARED"])
         # pairs side by side where halves would make thin dots (N = d2 / 2 <= 32): 5-10% faster at
