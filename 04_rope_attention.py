@@ -130,10 +130,11 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # scores), so that dK and dQ are one dot each; they are split back into halves once, to be
 # rotated back. On an H200 that made the backward 5-10% faster at d = 64; at d = 128, whose
 # halves are 64 wide already, it was 8% slower. A joined forward was no faster at d = 64 (25%
-# slower when causal) and 10% slower at d = 128. Measured alternative: one full-width rotated tile, x * cos + x[partner] * sin with
-# the partner read by a second load, then one dot: 20-37% slower. (All in
-# results/04_rope_attention_ab.log.) Interleaved pairs are loaded as one contiguous [rows, d2]
-# tile and split in registers: two stride-2 loads each waste half of every memory transaction.
+# slower when causal) and 10% slower at d = 128. Measured alternative: one full-width rotated
+# tile, x * cos + x[partner] * sin with the partner read by a second load, then one dot: 20-37%
+# slower. (All in results/04_rope_attention_ab.log.) Interleaved pairs are loaded as one
+# contiguous [rows, d2] tile and split in registers: two stride-2 loads each waste half of every
+# memory transaction.
 #
 # The backward
 # ------------
