@@ -13,7 +13,7 @@ from conftest import DEVICE, ON_GPU, deterministic_algorithms, load
 
 attn = load("04_rope_attention.py")
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
-# 64, 128 and 512 are whole numbers of blocks (EVEN_N: the kernels skip the bounds mask); the others are not
+# 64, 128 and 512 are whole numbers of blocks (EVEN_N, WHOLE: the kernels skip the bounds masks); the others are not
 LENGTHS = [1, 17, 100, 128, 257, 512, 1000] if ON_GPU else [1, 17, 64, 100]
 TOL = dict(atol=2e-2, rtol=2e-2)
 
@@ -115,6 +115,21 @@ def test_gqa_layouts_strides_dtypes(h, h_kv, tensor_format, dtype):
           attention_mask=mask, interleaved=True, tensor_format=tensor_format, sm_scale=0.3)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_whole_tiles(d, interleaved, deterministic):
+    """A length that is a whole number of every kernel's blocks, all channels rotated, a power-of-two
+    head dim: the inner loops load their tiles with no mask (WHOLE)."""
+    torch.manual_seed(d)
+    s = 512 if ON_GPU else 64
+    assert attn._whole_tiles(s, 128 if ON_GPU else 32, d, d)
+    _, q, k, v = make(2, s, 4, 2, d)
+    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
+        check(q, k, v, attn.rope_freqs(s, d, interleaved=interleaved, device=DEVICE), causal=True,
+              interleaved=interleaved)
+
+
 @pytest.mark.parametrize("causal, masked, d, d2, interleaved", [(False, False, 64, 64, False), (True, True, 80, 64, True),
                                                               (True, False, 96, 32, False)])
 def test_deterministic_backward(causal, masked, d, d2, interleaved):
@@ -145,7 +160,7 @@ def test_int64_offsets(monkeypatch, deterministic):
     s = 100 if ON_GPU else 33
     qkv, q, k, v = make(2, s, 4, 2, 64, tensor_format="sbhd", packed=True)
     freqs = attn.rope_freqs(s, 64, interleaved=True, device=DEVICE)
-    trig = attn._trig_table(freqs, True)[0]
+    trig = attn._trig_table(freqs, True, q.dtype)[0]
     assert not attn._wide_offsets(s, 64, "sbhd", trig, q, k, v)
     monkeypatch.setattr(attn, "INT32_LIMIT", (s - 1) * q.stride(0))  # q's last row now reaches the limit
     assert attn._wide_offsets(s, 64, "sbhd", trig, q, k, v)
@@ -223,6 +238,8 @@ def test_errors():
         (lambda: attn.rope_attention(q, k, v, f.clone().requires_grad_()), ValueError, "freqs requires grad"),
         (lambda: attn.rope_attention(q[..., :8], k[..., :8], v[..., :8], f[..., :8]), ValueError,
          "head dim must be between 16 and 128"),
+        (lambda: attn.rope_attention(q, k, v, f, sm_scale=-0.5), ValueError, "sm_scale must be a positive"),
+        (lambda: attn.rope_attention(q, k, v, f, sm_scale=0), ValueError, "sm_scale must be a positive"),
     ]
     for call, error, message in cases:
         with pytest.raises(error, match=message):
