@@ -937,7 +937,11 @@ def _unfused_providers(q, k, v, freqs, causal, mask, rope03):
         fns["03 RoPE + SDPA " + name] = run
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        flex = torch.compile(flex_attention)
+        # dynamic=False: a kernel specialized to each shape, as a model of fixed shapes gets (left
+        # dynamic, torch.compile switches to one slower kernel for all shapes once it sees a second);
+        # the reset keeps the shapes already compiled from counting towards its recompile limit.
+        torch._dynamo.reset()
+        flex = torch.compile(flex_attention, dynamic=False)
 
         def mask_mod(b_, h_, q_idx, kv_idx):
             ok = (q_idx >= kv_idx) if causal else (q_idx >= 0)
