@@ -7,6 +7,8 @@ In this tutorial, you will learn about:
 * the unfused pipeline (rotate q and k, write them, read them back for attention) against a
   FlashAttention-style kernel that rotates q and k in registers, and what each costs in FLOPs
   and bytes;
+* rotating in packed bf16x2 arithmetic with inline PTX, and finding such costs in the instruction
+  counts of an offline compile;
 * online softmax with key-padding and causal masks, and rows that see no key at all (zeros, not
   NaN);
 * the backward: recompute the rotated tiles, accumulate dq and dk in the rotated basis, and
@@ -127,29 +129,52 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # buy is memory: the rotated q and k (and their gradients) are never allocated.
 #
 # The fused kernel rotates each tile as it is loaded. A q tile is rotated once per program; each
-# K tile is rotated in registers on every visit (s / BLOCK_M times over the whole grid). That
-# costs a few FMAs per element of K against the 2 * BLOCK_M * d tensor-core MACs each element takes
-# part in, plus loading cos and sin for BLOCK_N positions: precomputed once (two tables when the
-# angle table is a true rotation, four when its halves differ), since computing them in the inner
-# loop would keep the special-function units busier than the tensor cores. Those loads are twice
-# the bytes of the K tile itself in float32, so the tables are float16 (cos and sin lie in [-1, 1]:
-# a 2^-11 relative error, below the rounding of the bf16 product) and math stays in float32.
+# K tile is rotated on every visit (s / BLOCK_M times over the whole grid), so the rotation sits in
+# the inner loop next to the online softmax, and its instructions count: a pair of channels needs
+# r_a = x_a cos - x_b sin and r_b = x_b cos + x_a sin. cos and sin are precomputed once per angle
+# table (two tables when it is a true rotation, four when its halves differ), since computing them
+# in the inner loop would keep the special-function units busier than the tensor cores.
 #
-# The rotated tiles stay split into their a and b halves (rotate-half: channels i and i + d2/2;
-# interleaved: 2i and 2i + 1) and the pass-through channels. QK^T is a sum over channels, so it is
-# three dots, q_a.k_a + q_b.k_b + q_pass.k_pass, whatever order the channels had in memory: the
-# channels are each dot's inner (K) dimension, and splitting that costs nothing. The backward's
-# dK = dS^T Rq and dQ = dS Rk put the channels on the dots' N dimension instead, where halves
-# make thin dots (N = 32 at d = 64). There, at d <= 64, each pair is held side by side in one
-# tile (a0 b0 a1 b1 ..., joined in registers: any channel order that q and k share gives the same
-# scores), so that dK and dQ are one dot each; they are split back into halves once, to be
-# rotated back. On an H200 that made the backward 5-10% faster at d = 64; at d = 128, whose
-# halves are 64 wide already, it was 8% slower. A joined forward was no faster at d = 64 (25%
-# slower when causal) and 10% slower at d = 128. Measured alternative: one full-width rotated
-# tile, x * cos + x[partner] * sin with the partner read by a second load, then one dot: 20-37%
-# slower. (All in results/04_rope_attention_ab.log.) Interleaved pairs are loaded as one
-# contiguous [rows, d2] tile and split in registers: two stride-2 loads each waste half of every
-# memory transaction.
+# Rotating in packed bf16
+# -----------------------
+# In float32 a pair costs about 9 instructions: convert x_a, x_b, cos and sin in, four multiplies
+# and adds, convert back. Nsight Compute on an H200 counted ~18% more instructions in our d = 128
+# forward than in FlexAttention's, at the same issue rate. So the rotation runs in the tile's own
+# dtype, two lanes to a register (bf16x2 or f16x2), written in PTX (tl.inline_asm_elementwise with
+# pack=2): one product rounded to that dtype, then a fused multiply-add, 2.5 instructions a pair.
+# The price is roundings: a rotated value is within about 2 units in the last place of the exact
+# rotation instead of about 0.5 (tables in bf16, the product rounded), still better than Hugging
+# Face's and Liger's bf16 RoPE (each product and the sum rounded) and inside the tests' yardstick.
+# The tables are in q's dtype. The softmax scale now multiplies the float32 scores (in the FFMA that subtracts
+# the running max) instead of riding on q, which would add another rounding; the gradients are
+# rotated back in float32. The interpreter has no inline assembly and runs the same steps in
+# float32, rounding where the GPU rounds. The inner loop of the d = 128 forward went from 1042 to
+# 761 instructions (SASS of an offline compile for sm_90; results/04_rope_attention.md says how);
+# on an H200 the forward gained 4-8% and forward + backward 2-4%.
+#
+# Two smaller cuts in the same loops: when the length is a whole number of blocks and the
+# channels fill the tile (WHOLE), the inner loops load without masks, whose comparisons were a
+# tenth of that loop (forward + backward +2-5%); and the forward computes QK^T as one dot (below).
+#
+# Halves, pairs and dots
+# ----------------------
+# The rotated tiles come out split into their a and b halves (rotate-half: channels i and
+# i + d2/2; interleaved: 2i and 2i + 1) and the pass-through channels. QK^T is a sum over
+# channels, so any channel order that q and k share gives the same scores: it can be a dot per
+# half, q_a.k_a + q_b.k_b (+ q_pass.k_pass). But Triton waits for the first dot to finish before
+# it issues the second, a pause of the tensor cores on every tile; joining the halves side by side
+# in registers (a0 .. a63 b0 .. b63, for q once and for each K tile) makes it one dot: the forward
+# gained 1-5% on an H200, except at d <= 64 under a causal mask, where it lost 2-4%, so there it
+# keeps a dot per half. The backward's dK = dS^T Rq and dQ = dS Rk put the channels on the dots'
+# N dimension instead, where halves make thin dots (N = 32 at d = 64). There, at d <= 64, each
+# pair is held side by side in one tile (a0 b0 a1 b1 ...), so that dK and dQ are one dot each;
+# they are split back into halves once, to be rotated back: 5-10% faster at d = 64; at d = 128,
+# whose halves are 64 wide already, 8% slower. Measured and rejected: one full-width rotated tile,
+# x * cos + x[partner] * sin with the partner read by a second load (20-37% slower); pointer
+# tiles advanced each iteration instead of recomputed offsets (spills at d = 128); and a sum of
+# two separately accumulated dots (Triton fuses it back into the chained form). (All in
+# results/04_rope_attention_ab.log.) Interleaved pairs are loaded as one contiguous [rows, d2]
+# tile and split in registers: two stride-2 loads each waste half of every memory transaction.
 #
 # The backward
 # ------------
@@ -224,8 +249,8 @@ def _rotate(x_a, x_b, cos_a, sin_a, cos_b, sin_b):
     to that dtype, then a fused multiply-add, two lanes an instruction on the GPU."""
     if PACKED_PTX:
         return tl.inline_asm_elementwise(
-            asm=ROTATE_BF16X2 if x_a.dtype == tl.bfloat16 else ROTATE_F16X2, constraints="=r,=r,r,r,r,r,r,r", args=[x_a, x_b, cos_a, sin_a, cos_b, sin_b],
-            dtype=(x_a.dtype, x_a.dtype), is_pure=True, pack=2)
+            asm=ROTATE_BF16X2 if x_a.dtype == tl.bfloat16 else ROTATE_F16X2, constraints="=r,=r,r,r,r,r,r,r",
+            args=[x_a, x_b, cos_a, sin_a, cos_b, sin_b], dtype=(x_a.dtype, x_a.dtype), is_pure=True, pack=2)
     dtype = x_a.dtype
     x_a, x_b = x_a.to(tl.float32), x_b.to(tl.float32)
     prod_a = (x_b * sin_a.to(tl.float32)).to(dtype).to(tl.float32)
@@ -611,7 +636,7 @@ def rope_attn_bwd_dq_kernel(
 # The wrapper and the autograd Function
 # -------------------------------------
 # cos and sin of the angle table are computed once per table (kept by identity and version
-# counter, as in 02) into a float16 table: [s2, 4 * d2/2] (cos_a, sin_a, cos_b, sin_b), or
+# counter, as in 02) into a table in q's dtype: [s2, 4 * d2/2] (cos_a, sin_a, cos_b, sin_b), or
 # [s2, 2 * d2/2] when the halves are equal. Whether they are is read once per table too (one host
 # sync per table, not per call).
 
@@ -716,8 +741,8 @@ class _RoPEAttention(torch.autograd.Function):
         rope_attn_fwd_kernel[(triton.cdiv(seqlen, cfg["BLOCK_M"]), batch * n_heads)](
             q, k, v, o, lse, trig, key_mask, sm_scale * LOG2E, seqlen, n_heads, n_heads // n_kv_heads,
             rot_dim // 2, rot_dim, head_dim, *(s for x in (q, k, v, o) for s in _bshd_strides(x, tensor_format)),
-            EVEN_N=seqlen % cfg["BLOCK_N"] == 0, WHOLE=_whole_tiles(seqlen, cfg["BLOCK_N"], head_dim, rot_dim), **common,
-            **cfg)
+            EVEN_N=seqlen % cfg["BLOCK_N"] == 0, WHOLE=_whole_tiles(seqlen, cfg["BLOCK_N"], head_dim, rot_dim),
+            **common, **cfg)
         ctx.save_for_backward(q, k, v, o, lse, trig, key_mask)
         ctx.args = (batch, seqlen, n_heads, n_kv_heads, head_dim, rot_dim, sm_scale, tensor_format, common)
         return o
@@ -759,8 +784,8 @@ class _RoPEAttention(torch.autograd.Function):
         rope_attn_bwd_dq_kernel[(triton.cdiv(seqlen, cfg["BLOCK_M"]), batch * n_heads)](
             q, k, v, do, dq, lse, delta, trig, key_mask, sm_scale * LOG2E, sm_scale, *scalars,
             n_heads // n_kv_heads, rot_dim // 2, rot_dim, head_dim, *strides(q, k, v, do, dq),
-            EVEN_N=seqlen % cfg["BLOCK_N"] == 0, WHOLE=_whole_tiles(seqlen, cfg["BLOCK_N"], head_dim, rot_dim), **common,
-            **cfg)
+            EVEN_N=seqlen % cfg["BLOCK_N"] == 0, WHOLE=_whole_tiles(seqlen, cfg["BLOCK_N"], head_dim, rot_dim),
+            **common, **cfg)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -826,7 +851,7 @@ def rope_attention(q, k, v, freqs, *, causal=False, attention_mask=None, sm_scal
     causal: each query sees keys at its position and before.
     attention_mask: bool or integer [b, s], 1 (nonzero) = a real token, 0 = padding (Hugging Face's
         convention); padded keys are never attended to. A query that sees no key returns zeros.
-    sm_scale: softmax scale, 1/sqrt(d) by default. interleaved: rotate pairs (RoFormer, GPT-J).
+    sm_scale: softmax scale, positive, 1/sqrt(d) by default. interleaved: rotate pairs (RoFormer, GPT-J).
     Returns the output [like q], in q's layout and dtype. dq is summed with float32 atomics (its
     last bits can vary between runs) unless torch.use_deterministic_algorithms(True) is on.
     """
