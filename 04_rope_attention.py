@@ -145,9 +145,9 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # The price is roundings: a rotated value is within about 2 units in the last place of the exact
 # rotation instead of about 0.5 (tables in bf16, the product rounded), still better than Hugging
 # Face's and Liger's bf16 RoPE (each product and the sum rounded) and inside the tests' yardstick.
-# The tables are in q's dtype. The softmax scale now multiplies the float32 scores (in the FFMA that subtracts
-# the running max) instead of riding on q, which would add another rounding; the gradients are
-# rotated back in float32. The interpreter has no inline assembly and runs the same steps in
+# The tables are in q's dtype. The softmax scale multiplies the float32 scores (in the FFMA that
+# subtracts the running max) rather than riding on q, which would add another rounding; the
+# gradients are rotated back in float32 arithmetic. The interpreter has no inline assembly and runs the same steps in
 # float32, rounding where the GPU rounds. The inner loop of the d = 128 forward went from 1042 to
 # 761 instructions (SASS of an offline compile for sm_90; results/04_rope_attention.md says how);
 # on an H200 the forward gained 4-8% and forward + backward 2-4%.
@@ -367,7 +367,7 @@ def rope_attn_fwd_kernel(
     b64 = b.to(tl.int64)
     q_a, q_b, q_p = _load_head(q_ptr + b64 * stride_qb + h.to(tl.int64) * stride_qh, offs_m, m_mask, stride_qs,
                                stride_qd, trig_ptr, half, rot_dim, head_dim, HALF, PASS, INTERLEAVED, SHARED, False)
-    if ONE_DOT:  # the rotated channels back in their own order, so that QK^T is one dot (the text says why)
+    if ONE_DOT:  # the rotated halves side by side, so that QK^T is one dot (the text says why)
         q_r = _halves_side_by_side(q_a, q_b)
     k_base = k_ptr + b64 * stride_kb + (h // group).to(tl.int64) * stride_kh
     v_base = v_ptr + b64 * stride_vb + (h // group).to(tl.int64) * stride_vh
