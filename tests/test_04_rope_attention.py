@@ -3,7 +3,8 @@ mask x odd lengths x head dims x GQA x pairing x partial rotary x layout x dtype
 gradients as 03's RoPE + SDPA; rows with no visible key; memory; errors.
 
 On the CPU the interpreter runs fp16 only: Triton 3.9's interpreter computes bf16 tl.dot wrongly,
-so bf16 is tested on the GPU."""
+so bf16 is tested on the GPU. The interpreter also has no inline assembly: there the packed
+bf16x2/f16x2 rotation (PTX) runs as its float32 emulation, and the PTX itself is tested on the GPU."""
 import contextlib
 
 import pytest
