@@ -207,7 +207,10 @@ class RoFormerForMaskedLM(nn.Module):
         for layer in self.roformer.encoder.layer:
             x = layer(x, self.freqs, attention_mask)
         if labels is not None:
-            x, labels = x[labels != -100], labels[labels != -100]
+            # the masked positions, found once (a wait for the GPU: their number sets the shapes below);
+            # indexing with the boolean mask itself would wait twice here and once more in the backward
+            masked = (labels.flatten() != -100).nonzero().squeeze(1)
+            x, labels = x.flatten(0, 1)[masked], labels.flatten()[masked]
         p = self.cls.predictions
         logits = p.decoder(p.transform.LayerNorm(F.gelu(p.transform.dense(x))))
         if labels is None:

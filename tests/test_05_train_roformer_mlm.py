@@ -72,6 +72,28 @@ def test_attention_paths_agree():
     torch.testing.assert_close(logits["fused"], logits["torch"], rtol=2e-2, atol=2e-2)  # fp16 attention
 
 
+def test_loss_on_masked_positions_only():
+    """With labels, the head runs on the masked positions only: the loss and accuracy must be those of
+    the full logits at exactly those positions, and its gradients those of that loss."""
+    torch.manual_seed(0)
+    cfg = train.RoFormerConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                               max_position_embeddings=32, hidden_dropout_prob=0.0)
+    model = train.RoFormerForMaskedLM(cfg, "torch").to(DEVICE)
+    ids = torch.randint(0, 256, (3, 20), device=DEVICE)
+    labels = torch.where(torch.rand(3, 20, device=DEVICE) < 0.3, torch.randint(0, 256, (3, 20), device=DEVICE), -100)
+    labels[1, :] = -100  # a sequence with nothing masked
+    loss, accuracy = model(ids, labels=labels)
+    logits = model(ids)
+    chosen = labels != -100
+    expected = torch.nn.functional.cross_entropy(logits[chosen], labels[chosen])
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(accuracy, (logits[chosen].argmax(-1) == labels[chosen]).float().mean())
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    expected_grads = torch.autograd.grad(expected, list(model.parameters()))
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want)
+
+
 def test_masking_follows_bert():
     tok = train.ByteTokenizer()
     ids = torch.randint(0, 256, (64, 128))
