@@ -92,6 +92,9 @@ def test_loss_on_masked_positions_only():
     expected_grads = torch.autograd.grad(expected, list(model.parameters()))
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want)
+    # the positions found on the host, as training passes them, give the same loss
+    positions = train.masked_positions(labels.cpu()).to(DEVICE)
+    torch.testing.assert_close(model(ids, labels=labels, positions=positions), (loss, accuracy))
 
 
 def test_masking_follows_bert():
