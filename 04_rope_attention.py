@@ -6,7 +6,8 @@ In this tutorial, you will learn about:
 
 * the unfused pipeline (rotate q and k, write them, read them back for attention) against a
   FlashAttention-style kernel that rotates q and k in registers, and what each costs in FLOPs
-  and bytes;
+  and bytes; and where fusing pays: a separate RoPE pass costs O(s), rotating each K tile in the
+  loop O(s^2 / BLOCK_M), measured;
 * rotating in packed bf16x2 arithmetic with inline PTX, and finding such costs in the instruction
   counts of an offline compile;
 * online softmax with key-padding and causal masks, and rows that see no key at all (zeros, not
