@@ -139,9 +139,10 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # What that costs, measured on an H200 (results/04_rope_attention_ab.log, session 8): at
 # (8, 16, 2048, 64) this forward (rotating as the next section says) runs 374 TF/s with K left
 # unrotated (wrong scores, timing only), a little faster than FlexAttention without RoPE (366);
-# 327 with K rotated by constant cos and sin (no table loads); 313 as written. At (4, 32, 4096, 128): 457, 411 and 372, against 413. So
-# rotating every K tile on every visit costs 16-19% of the forward, a quarter of it the cos/sin
-# loads at d = 64 and half at d = 128, while a separate RoPE pass costs FlexAttention 8% and 5%.
+# 327 with K rotated by constant cos and sin (no table loads); 313 as written. At
+# (4, 32, 4096, 128): 457, 411 and 372, against 413. So rotating every K tile on every visit
+# costs 16-19% of the forward, a quarter of it the cos/sin loads at d = 64 and half at d = 128,
+# while a separate RoPE pass costs FlexAttention 8% and 5%.
 # The pass is O(s) work and the rotation in the loop O(s^2 / BLOCK_M): fusing wins at short
 # sequences (13% ahead of FlexAttention + RoPE at s = 512) and loses at long ones (5-7% behind
 # in the forward from s = 2048 on).
