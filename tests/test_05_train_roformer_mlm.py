@@ -117,6 +117,19 @@ def test_masking_follows_bert():
     assert train.device_mask(mask, DEVICE).equal(mask.to(DEVICE))
 
 
+def test_batches_reach_the_device_intact():
+    """to_device copies through pinned memory without waiting (on a GPU): the copy must hold the
+    values the batch had when it was sent, even if the host's tensor changes right after. (On the
+    CPU it is the batch itself, which the training loop never reuses.)"""
+    ids = torch.randint(0, 256, (8, 512))
+    sent = ids.clone()
+    on_device = train.to_device(sent, DEVICE)
+    assert on_device.device.type == DEVICE.type and on_device.equal(ids.to(DEVICE))
+    if ON_GPU:
+        sent.zero_()  # the host reuses its memory before the copy has run
+        assert on_device.equal(ids.to(DEVICE))
+
+
 def test_resume_gives_the_same_loss_curve(tmp_path):
     common = TINY + ["--max-steps", "8", "--grad-accum", "2"]
     with deterministic_algorithms():  # on a GPU, 04's dq and PyTorch's index backward use atomics otherwise
