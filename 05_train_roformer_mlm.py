@@ -154,10 +154,60 @@ class RoFormerLayer(nn.Module):
         self.intermediate = nn.Module()
         self.intermediate.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.output = AddNorm(cfg.intermediate_size, cfg)
+        self.graphed = None  # (replay, input shape and dtype) once capture_cuda_graphs has run
 
     def forward(self, x, freqs, mask):
+        if self.graphed is not None and mask is None and self.training and torch.is_grad_enabled():
+            replay, shape, dtype = self.graphed
+            if x.shape == shape and x.dtype == dtype:
+                return replay(x)
         x = self.attention.output(self.attention.self(x, freqs, mask), x)
         return self.output(F.gelu(self.intermediate.dense(x)), x)
+
+
+class _Unmasked(nn.Module):
+    """What one layer's CUDA graphs capture: its forward on a batch without padding (no mask)."""
+
+    def __init__(self, layer, freqs):
+        super().__init__()
+        self.layer, self.freqs = layer, freqs
+
+    def forward(self, x):
+        return self.layer(x, self.freqs, None)
+
+
+def capture_cuda_graphs(model, batch_size, seq_len):
+    """--cuda-graphs: capture each encoder layer's forward and backward as CUDA graphs
+    (torch.cuda.make_graphed_callables; Megatron-LM graphs per layer the same way). Eager PyTorch
+    costs the host tens of microseconds an op, and at the BERT-base shape the host needs nearly as
+    long to issue a step as the GPU to run it: on two GPUs, host jitter on either rank stalls both
+    (DDP scaled 1.62-1.84x eagerly, 1.90x with graphs; results/05_host_s9.log). A replay issues a
+    layer's kernels in one call. Graphs keep the shapes they were captured with: batches with
+    padding, evaluation and other shapes run the layers eagerly, on the same weights. (Whether dq
+    is summed with atomics is fixed at capture, by torch.use_deterministic_algorithms then.)"""
+    layers = model.roformer.encoder.layer
+    shape, dtype = (batch_size, seq_len, model.cfg.hidden_size), torch.float32  # a LayerNorm's output under autocast
+    rng = torch.cuda.get_rng_state()
+    samples = tuple((torch.zeros(shape, device=model.freqs.device, dtype=dtype, requires_grad=True),) for _ in layers)
+    # A graph freed while another is being captured breaks the capture, and graphed modules are freed only by
+    # the garbage collector (they refer to themselves): collect now, and not during the capture.
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):  # graphs need autocast's cache off
+            replays = torch.cuda.make_graphed_callables(tuple(_Unmasked(layer, model.freqs) for layer in layers),
+                                                        samples)
+    finally:
+        gc.enable()
+    torch.cuda.set_rng_state(rng)  # the warm-up passes drew dropout masks; a resumed run must not depend on that
+    for layer, replay in zip(layers, replays):
+        layer.graphed = (replay, shape, dtype)  # a tuple: not registered as a submodule, the state dict is unchanged
+    # A replay hands out its weight gradients in the graph's own buffers, which the next replay overwrites. A
+    # parameter without a .grad would adopt such a buffer as its .grad, and with gradient accumulation the
+    # second micro-batch would overwrite the first's (measured: up to 110% off). So every .grad stays
+    # allocated, and the loop zeroes it in place (zero_grad(set_to_none=False)).
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
 
 
 class RoFormerForMaskedLM(nn.Module):
@@ -442,6 +492,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-batches", type=int, default=20 if on_gpu else 2)
     p.add_argument("--ckpt-interval", type=int, default=500 if on_gpu else 10)
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--cuda-graphs", action="store_true", help="replay each encoder layer's forward and backward "
+                   "as CUDA graphs, so that Python's per-op cost no longer paces the GPU (GPU only)")
     p.add_argument("--bench", action="store_true", help="time training steps of a BERT-base-shaped model on random "
                    "tokens for every --attn path (and Hugging Face's RoFormer when installed), then exit")
     p.add_argument("--bench-steps", type=int, default=20 if on_gpu else 1, help="timed steps per path and round")
@@ -457,6 +509,8 @@ def parse_args(argv=None):
         p.error(f"--seq-len must be at least 8, got {args.seq_len}")
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    if args.cuda_graphs and not on_gpu:
+        p.error("--cuda-graphs needs a GPU (CUDA graphs); this machine has none")
     return args
 
 
@@ -591,6 +645,8 @@ def train(args, ddp, rank, world, device):
         random.setstate(ckpt["rng"][rank]["python"])
         if device.type == "cuda":
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"].cpu())
+    if args.cuda_graphs:  # after loading a checkpoint (the graphs read the weights in place), before DDP
+        capture_cuda_graphs(model, args.batch_size, args.seq_len)
     raw_model = model
     if ddp:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
@@ -603,7 +659,8 @@ def train(args, ddp, rank, world, device):
         raise SystemExit(f"--data has too little text for one held-out batch of {args.batch_size} x {args.seq_len}")
     if master:
         print(f"RoFormer MLM: {n_params / 1e6:.2f}M parameters, attn={args.attn}, {world} rank(s), device {device}, "
-              f"seq_len {args.seq_len}, batch {args.batch_size} x {args.grad_accum} accumulation x {world}")
+              f"seq_len {args.seq_len}, batch {args.batch_size} x {args.grad_accum} accumulation x {world}"
+              + (", encoder layers as CUDA graphs" if args.cuda_graphs else ""))
         counts = torch.bincount(torch.cat([ids.flatten() for ids, _ in eval_batches]), minlength=tokenizer.vocab_size)
         counts[[tokenizer.pad, tokenizer.cls, tokenizer.sep]] = 0
         print(f"baseline: always predicting the most frequent token ({counts.argmax().item()}) is right on "
@@ -637,7 +694,7 @@ def train(args, ddp, rank, world, device):
             loss_sum, acc_sum = loss_sum + loss.detach() / args.grad_accum, acc_sum + acc / args.grad_accum
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not args.cuda_graphs)  # see capture_cuda_graphs
         step += 1
         if master and sys.stdout.isatty():  # a one-line progress bar between log lines
             print(f"\r[{'#' * (30 * step // args.max_steps):<30}] step {step}/{args.max_steps}", end="", flush=True)
@@ -722,6 +779,7 @@ def bench(args, ddp, rank, world, device):
     matmul_rate = matmul_tflops(device)
     if rank == 0:
         print(f"{n_params / 1e6:.1f}M parameters, {world} rank(s), batch {batch} x seq {seq} per rank"
+              + (", encoder layers as CUDA graphs (Hugging Face's model runs eagerly)" if args.cuda_graphs else "")
               + (f"; yardstick: a bf16 matmul runs at {matmul_rate:.0f} TF/s on this GPU" if matmul_rate else ""))
     candidates = list(ATTN_PATHS)
     try:
@@ -739,6 +797,8 @@ def bench(args, ddp, rank, world, device):
             step_loss = lambda: model(input_ids=ids, labels=labels).loss  # noqa: E731
         else:
             model = RoFormerForMaskedLM(cfg, name).to(device)
+            if args.cuda_graphs:
+                capture_cuda_graphs(model, batch, seq)
             step_loss = lambda: model(ids, labels=labels, positions=positions)[0]  # noqa: E731
         if ddp:
             model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if on_gpu else None,
@@ -750,7 +810,7 @@ def bench(args, ddp, rank, world, device):
                 loss = step_loss()
             loss.backward()
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=not args.cuda_graphs)  # see capture_cuda_graphs
         return model, optimizer, train_step
 
     def timed_steps(train_step):
@@ -785,6 +845,7 @@ def bench(args, ddp, rank, world, device):
                 step_ms[name].append(timed_steps(train_step))
             peak[name] = max(peak.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30) if on_gpu else float("nan")
             del model, optimizer, train_step
+            gc.collect()  # graphed layers refer to themselves: only the collector frees them and their graphs
             if on_gpu:
                 torch.cuda.empty_cache()
     results = []
@@ -811,7 +872,8 @@ def bench(args, ddp, rank, world, device):
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"bench_{world}rank.json"), "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name() if on_gpu else "cpu", world=world, batch=batch,
-                           seq=seq, steps=args.bench_steps, rounds=args.bench_rounds, torch=torch.__version__,
+                           seq=seq, steps=args.bench_steps, rounds=args.bench_rounds, cuda_graphs=args.cuda_graphs,
+                           torch=torch.__version__,
                            matmul_tflops=matmul_rate, results=results), f, indent=1)
     return results
 

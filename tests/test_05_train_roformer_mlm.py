@@ -142,6 +142,64 @@ def test_resume_gives_the_same_loss_curve(tmp_path):
     assert [r for r in straight if "val_loss" in r] == [r for r in resumed if "val_loss" in r]
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU (the CPU run checks that the flag is refused)")
+@pytest.mark.parametrize("attn", ["fused", "triton"])
+def test_cuda_graphs_replay_the_eager_layers(attn):
+    """Layers replayed from CUDA graphs give the eager layers' loss and gradients (no dropout, so that
+    both draw nothing random; deterministic dq, so that both sum in one order). A batch with padding,
+    evaluation and another shape fall back to the eager layers."""
+    cfg = train.RoFormerConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                               max_position_embeddings=64, hidden_dropout_prob=0.0)
+    ids = torch.randint(0, 256, (2, 2, 32), device=DEVICE)  # two micro-batches
+    labels = torch.where(torch.rand(2, 2, 32, device=DEVICE) < 0.3, ids, -100)
+    torch.manual_seed(0)
+    eager, graphed = train.RoFormerForMaskedLM(cfg, attn).to(DEVICE), train.RoFormerForMaskedLM(cfg, attn).to(DEVICE)
+    graphed.load_state_dict(eager.state_dict())
+    with deterministic_algorithms():
+        train.capture_cuda_graphs(graphed, 2, 32)
+        results = {}
+        for name, model in (("eager", eager), ("graphed", graphed)):
+            losses = []
+            for micro in range(2):  # gradients accumulate: the second replay must not overwrite the first's
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss, _ = model(ids[micro], labels=labels[micro])
+                loss.backward()
+                losses.append(loss.detach())
+            results[name] = (torch.stack(losses), [p.grad for p in model.parameters()])
+    # equal up to rounding: cuBLAS may choose other kernels under capture (1e-5 apart on an H200); a
+    # replay that lost the first micro-batch's gradient would be off by about the gradient itself
+    torch.testing.assert_close(results["graphed"][0], results["eager"][0], rtol=1e-5, atol=1e-5)
+    for g, e in zip(results["graphed"][1], results["eager"][1]):
+        assert torch.linalg.vector_norm(g - e) <= 1e-3 * torch.linalg.vector_norm(e) + 1e-6
+    ids = ids[0]
+    mask = torch.ones(2, 32, dtype=torch.bool, device=DEVICE)
+    mask[1, 20:] = False
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        torch.testing.assert_close(graphed(ids, mask), eager(ids, mask))  # padding: eager layers
+        torch.testing.assert_close(graphed(ids[:1]), eager(ids[:1]))  # another batch size: eager layers
+        graphed.eval()
+        eager.eval()
+        torch.testing.assert_close(graphed(ids), eager(ids))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_resume_with_cuda_graphs_gives_the_same_loss_curve(tmp_path):
+    common = TINY + ["--max-steps", "6", "--grad-accum", "2", "--cuda-graphs"]
+    with deterministic_algorithms():
+        straight = train.main(["--out", str(tmp_path / "a")] + common)
+        train.main(["--out", str(tmp_path / "b"), "--stop-after", "3"] + common)
+        resumed = train.main(["--out", str(tmp_path / "b"), "--resume"] + common)
+    losses = lambda h: [(r["step"], r["loss"]) for r in h if "loss" in r]  # noqa: E731
+    assert len(losses(straight)) == 6 and losses(resumed) == losses(straight)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU run: the flag is refused")
+def test_cuda_graphs_need_a_gpu(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--cuda-graphs"])
+    assert "--cuda-graphs needs a GPU" in capsys.readouterr().err
+
+
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt.pt")
     train.save_atomic({"step": 1}, path)
