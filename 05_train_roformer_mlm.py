@@ -179,12 +179,13 @@ class _Unmasked(nn.Module):
 def capture_cuda_graphs(model, batch_size, seq_len):
     """--cuda-graphs: capture each encoder layer's forward and backward as CUDA graphs
     (torch.cuda.make_graphed_callables; Megatron-LM graphs per layer the same way). Eager PyTorch
-    costs the host tens of microseconds an op, and at the BERT-base shape the host needs nearly as
-    long to issue a step as the GPU to run it: on two GPUs, host jitter on either rank stalls both
-    (DDP scaled 1.62-1.84x eagerly, 1.90x with graphs; results/05_host_s9.log). A replay issues a
-    layer's kernels in one call. Graphs keep the shapes they were captured with: batches with
-    padding, evaluation and other shapes run the layers eagerly, on the same weights. (Whether dq
-    is summed with atomics is fixed at capture, by torch.use_deterministic_algorithms then.)"""
+    costs the host tens of microseconds an op: the default run's small model waits for the host
+    (12 ms a step with graphs, 22-26 eagerly), and at the BERT-base shape the host needs nearly as
+    long to issue a step as the GPU to run it, so that on two GPUs host jitter on either rank stalls
+    both (fused scaled 1.62-1.84x eagerly, 1.90-1.93x with graphs; results/05_host_s9.log). A
+    replay issues a layer's kernels in one call. Graphs keep the shapes they were captured with:
+    batches with padding, evaluation and other shapes run the layers eagerly, on the same weights.
+    (Whether dq is summed with atomics is fixed at capture, by torch.use_deterministic_algorithms.)"""
     layers = model.roformer.encoder.layer
     shape, dtype = (batch_size, seq_len, model.cfg.hidden_size), torch.float32  # a LayerNorm's output under autocast
     rng = torch.cuda.get_rng_state()
@@ -204,10 +205,15 @@ def capture_cuda_graphs(model, batch_size, seq_len):
         layer.graphed = (replay, shape, dtype)  # a tuple: not registered as a submodule, the state dict is unchanged
     # A replay hands out its weight gradients in the graph's own buffers, which the next replay overwrites. A
     # parameter without a .grad would adopt such a buffer as its .grad, and with gradient accumulation the
-    # second micro-batch would overwrite the first's (measured: up to 110% off). So every .grad stays
-    # allocated, and the loop zeroes it in place (zero_grad(set_to_none=False)).
+    # second micro-batch would overwrite the first's (measured: up to 110% off). So every .grad starts
+    # allocated, and a loop that accumulates zeroes it in place (zero_grad(set_to_none=False)). With one
+    # micro-batch a step, the optimizer has read the adopted buffer before the next replay.
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
+    # The capture's warm-up ran on a side stream, where autograd made the parameters' gradient nodes; it then
+    # warns at every backward that their stream differs (a cross-stream wait; the gradients are right).
+    if hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
+        torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
 
 
 class RoFormerForMaskedLM(nn.Module):
@@ -694,7 +700,7 @@ def train(args, ddp, rank, world, device):
             loss_sum, acc_sum = loss_sum + loss.detach() / args.grad_accum, acc_sum + acc / args.grad_accum
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=not args.cuda_graphs)  # see capture_cuda_graphs
+        optimizer.zero_grad(set_to_none=not (args.cuda_graphs and args.grad_accum > 1))  # see capture_cuda_graphs
         step += 1
         if master and sys.stdout.isatty():  # a one-line progress bar between log lines
             print(f"\r[{'#' * (30 * step // args.max_steps):<30}] step {step}/{args.max_steps}", end="", flush=True)
@@ -810,7 +816,7 @@ def bench(args, ddp, rank, world, device):
                 loss = step_loss()
             loss.backward()
             optimizer.step()
-            optimizer.zero_grad(set_to_none=not args.cuda_graphs)  # see capture_cuda_graphs
+            optimizer.zero_grad(set_to_none=True)  # one micro-batch a step: safe with graphs too
         return model, optimizer, train_step
 
     def timed_steps(train_step):
