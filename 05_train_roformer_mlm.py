@@ -15,7 +15,10 @@ In this tutorial, you will learn about:
 * a nanoGPT-style loop: AdamW, warmup then linear decay, gradient accumulation and clipping, bf16
   autocast, atomic checkpoints and an exact ``--resume`` (bit for bit; on a GPU, under
   torch.use_deterministic_algorithms(True), since 04's dq and PyTorch's index backward otherwise
-  add with float atomics), DistributedDataParallel via torchrun.
+  add with float atomics), DistributedDataParallel via torchrun;
+* why a small model trains at the pace of Python rather than the GPU, and ``--cuda-graphs``: each
+  encoder layer's forward and backward replayed from CUDA graphs (and the trap such layers set for
+  gradient accumulation).
 
 Run ``python 05_train_roformer_mlm.py`` (a small model on the Python standard library's own source,
 no download), ``--help`` for the options. It loads 01-04 from beside this file.
@@ -210,10 +213,6 @@ def capture_cuda_graphs(model, batch_size, seq_len):
     # micro-batch a step, the optimizer has read the adopted buffer before the next replay.
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
-    # The capture's warm-up ran on a side stream, where autograd made the parameters' gradient nodes; it then
-    # warns at every backward that their stream differs (a cross-stream wait; the gradients are right).
-    if hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
-        torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
 
 
 class RoFormerForMaskedLM(nn.Module):
