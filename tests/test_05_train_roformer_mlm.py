@@ -166,11 +166,11 @@ def test_cuda_graphs_replay_the_eager_layers(attn):
                 loss.backward()
                 losses.append(loss.detach())
             results[name] = (torch.stack(losses), [p.grad for p in model.parameters()])
-    # equal up to rounding: cuBLAS may choose other kernels under capture (1e-5 apart on an H200); a
-    # replay that lost the first micro-batch's gradient would be off by about the gradient itself
-    torch.testing.assert_close(results["graphed"][0], results["eager"][0], rtol=1e-5, atol=1e-5)
+    # the replays run the eager layers' kernels: bit for bit equal on an H200 (results/05_host_s9.log);
+    # when a replay overwrote the first micro-batch's gradients, some were up to 110% off
+    torch.testing.assert_close(results["graphed"][0], results["eager"][0], rtol=1e-6, atol=1e-6)
     for g, e in zip(results["graphed"][1], results["eager"][1]):
-        assert torch.linalg.vector_norm(g - e) <= 1e-3 * torch.linalg.vector_norm(e) + 1e-6
+        assert torch.linalg.vector_norm(g - e) <= 1e-5 * torch.linalg.vector_norm(e) + 1e-9
     ids = ids[0]
     mask = torch.ones(2, 32, dtype=torch.bool, device=DEVICE)
     mask[1, 20:] = False
