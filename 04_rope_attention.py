@@ -16,7 +16,8 @@ In this tutorial, you will learn about:
   rotate back once per tile before storing, which is exact because RoPE is linear and per-row;
   dq by float32 atomics (5 matmuls per tile pair) or, deterministic, by a second kernel (7);
 * grouped-query attention (k and v with fewer heads than q), odd sequence lengths, head dims
-  that are not powers of two, partial rotary and both pairings;
+  that are not powers of two, partial rotary and both pairings; q, k and v packed in one tensor,
+  whose gradient the kernels then write as one (no copy to stack three);
 * benchmarking against 03's RoPE followed by each SDPA backend and FlexAttention.
 
 Run ``python 04_rope_attention.py``: it checks itself against a float32 PyTorch reference, then
@@ -433,10 +434,12 @@ def rope_attn_fwd_kernel(
 
 
 @triton.jit
-def rope_attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, seqlen, n_heads, head_dim,
+def rope_attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, dq_acc_ptr, seqlen, n_heads, head_dim,
                                stride_ob, stride_os, stride_oh, stride_od, stride_db, stride_ds, stride_dh, stride_dd,
-                               BLOCK_M: tl.constexpr, D: tl.constexpr):
-    """delta = rowsum(dO * O): the softmax backward's dP correction, one value per query row."""
+                               BLOCK_M: tl.constexpr, D: tl.constexpr, W: tl.constexpr, W_TILE: tl.constexpr,
+                               ZERO_DQ: tl.constexpr):
+    """delta = rowsum(dO * O): the softmax backward's dP correction, one value per query row; with
+    ZERO_DQ, also zero these rows of the float32 dq buffer [b * h, s, W] the dkdv kernel adds into."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -445,8 +448,12 @@ def rope_attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, seqlen, n_heads, head_d
     rows = offs_m.to(tl.int64)[:, None]
     o = tl.load(o_ptr + b * stride_ob + h * stride_oh + rows * stride_os + d * stride_od, mask=mask, other=0.0)
     do = tl.load(do_ptr + b * stride_db + h * stride_dh + rows * stride_ds + d * stride_dd, mask=mask, other=0.0)
-    tl.store(delta_ptr + bh.to(tl.int64) * seqlen + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1),
-             mask=offs_m < seqlen)
+    row_stats = bh.to(tl.int64) * seqlen + offs_m
+    tl.store(delta_ptr + row_stats, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < seqlen)
+    if ZERO_DQ:
+        j = tl.arange(0, W_TILE)[None, :]
+        tl.store(dq_acc_ptr + row_stats[:, None] * W + j, tl.zeros((BLOCK_M, W_TILE), tl.float32),
+                 mask=(offs_m < seqlen)[:, None] & (j < W))
 
 
 @triton.jit
@@ -651,6 +658,14 @@ def rope_attn_bwd_dq_kernel(
 # counter, as in 02) into a table in q's dtype: [s2, 4 * d2/2] (cos_a, sin_a, cos_b, sin_b), or
 # [s2, 2 * d2/2] when the halves are equal. Whether they are is read once per table too (one host
 # sync per table, not per call).
+#
+# A model usually makes q, k and v with one matmul, [b, s, 3 * h * d], and views it as
+# [b, s, 3, h, d]. Handed to rope_attention as the three views qkv.unbind(2), autograd gives
+# each its own gradient and then stacks the three into qkv's: a copy of all of them (38 us a layer
+# at 05's BERT-base batch, (32, 12, 512, 64), on an H200: 8% of this attention's forward +
+# backward). rope_attention_qkvpacked takes qkv itself, as FlashAttention's
+# flash_attn_qkvpacked_func does, and the kernels write dq, dk and dv, whose strides they take
+# like any tensor's, straight into the three slices of one gradient.
 
 
 class _LastResult:
@@ -733,72 +748,109 @@ def _config(head_dim, kernel, shared):
     return config
 
 
+def _attention_forward(q, k, v, freqs, attention_mask, sm_scale, causal, interleaved, tensor_format):
+    """Launch the forward; return the output and what the backward needs: (o, lse, trig, key_mask, args)."""
+    batch, seqlen = (q.shape[1], q.shape[0]) if tensor_format == "sbhd" else (q.shape[0], q.shape[1])
+    n_heads, n_kv_heads, head_dim, rot_dim = q.shape[2], k.shape[2], q.shape[3], freqs.shape[3]
+    trig, shared = _trig_table(freqs, interleaved, q.dtype)
+    key_mask = attention_mask if attention_mask is not None else trig  # unused when HAS_MASK is False
+    o = torch.empty_like(q)
+    lse = torch.empty(batch, n_heads, seqlen, device=q.device, dtype=torch.float32)
+    common = dict(HALF=_pow2(rot_dim // 2), PASS=_pow2(head_dim - rot_dim), D=_pow2(head_dim),
+                  INTERLEAVED=interleaved, SHARED=shared, HAS_PASS=rot_dim < head_dim, CAUSAL=causal,
+                  HAS_MASK=attention_mask is not None,
+                  WIDE=_wide_offsets(seqlen, head_dim, tensor_format, trig, q, k, v, o))
+    cfg = _config(head_dim, "fwd", common["SHARED"])
+    # QK^T as one dot over the halves side by side, not a dot per half: on an H200 the forward
+    # gained 1-5%, except at d <= 64 under a causal mask, where it lost 2-4%
+    cfg["ONE_DOT"] = head_dim > 64 or not causal
+    rope_attn_fwd_kernel[(triton.cdiv(seqlen, cfg["BLOCK_M"]), batch * n_heads)](
+        q, k, v, o, lse, trig, key_mask, sm_scale * LOG2E, seqlen, n_heads, n_heads // n_kv_heads,
+        rot_dim // 2, rot_dim, head_dim, *(s for x in (q, k, v, o) for s in _bshd_strides(x, tensor_format)),
+        EVEN_N=seqlen % cfg["BLOCK_N"] == 0, WHOLE=_whole_tiles(seqlen, cfg["BLOCK_N"], head_dim, rot_dim),
+        **common, **cfg)
+    args = (batch, seqlen, n_heads, n_kv_heads, head_dim, rot_dim, sm_scale, tensor_format, common)
+    return o, lse, trig, key_mask, args
+
+
+def _attention_backward(args, q, k, v, o, lse, trig, key_mask, do, dq, dk, dv):
+    """Launch the backward, writing into dq, dk and dv (any strides: views of one tensor work)."""
+    batch, seqlen, n_heads, n_kv_heads, head_dim, rot_dim, sm_scale, tensor_format, common = args
+    strides = lambda *xs: [s for x in xs for s in _bshd_strides(x, tensor_format)]  # noqa: E731
+    # dQ: added up by the dkdv kernel with float32 atomics (5 matmuls a tile pair in all, as in
+    # FlashAttention 2), or, when torch.use_deterministic_algorithms(True) asks for a fixed sum
+    # order, by a second kernel that recomputes P and dP over the keys (7 matmuls).
+    atomic_dq = not torch.are_deterministic_algorithms_enabled()
+    width = 2 * common["HALF"] + (common["PASS"] if common["HAS_PASS"] else 0)
+    common = dict(common, WIDE=_wide_offsets(seqlen, head_dim, tensor_format, trig, q, k, v, do, dq, dk, dv)
+                  or seqlen * width >= INT32_LIMIT)  # the dq buffer's rows too
+    # the float32 dq buffer is zeroed by the delta kernel, which visits the same rows anyway: one
+    # launch fewer, and 24.6 instead of 26.9 us of GPU time at (32, 12, 512, 64) on an H200
+    dq_acc = torch.empty(batch * n_heads, seqlen, width, device=q.device, dtype=torch.float32) if atomic_dq else lse
+    delta = torch.empty_like(lse)
+    rope_attn_bwd_delta_kernel[(triton.cdiv(seqlen, 64), batch * n_heads)](
+        o, do, delta, dq_acc, seqlen, n_heads, head_dim, *strides(o, do), BLOCK_M=64, D=common["D"], W=width,
+        W_TILE=_pow2(width), ZERO_DQ=atomic_dq)
+    scalars = (seqlen, n_heads)
+    cfg = _config(head_dim, "dkdv", common["SHARED"])
+    # pairs side by side where halves would make thin dots (N = d2 / 2 <= 32): 5-10% faster at
+    # d = 64 on an H200; at d = 128 the halves are 64 wide, and joining was 8% slower
+    join_pairs = head_dim <= 64
+    rope_attn_bwd_dkdv_kernel[(triton.cdiv(seqlen, cfg["BLOCK_N"]), batch * n_kv_heads)](
+        q, k, v, do, dk, dv, dq_acc, lse, delta, trig, key_mask, sm_scale * LOG2E, *scalars, n_kv_heads,
+        n_heads // n_kv_heads, rot_dim // 2, rot_dim, head_dim, *strides(q, k, v, do, dk, dv),
+        EVEN_N=seqlen % cfg["BLOCK_N"] == 0, WHOLE=_whole_tiles(seqlen, cfg["BLOCK_M"], head_dim, rot_dim), W=width,
+        ATOMIC_DQ=atomic_dq, JOIN_PAIRS=join_pairs, **common, **cfg)
+    if atomic_dq:
+        rope_attn_bwd_dq_store_kernel[(triton.cdiv(seqlen, 64), batch * n_heads)](
+            dq_acc, dq, trig, sm_scale, seqlen, n_heads, rot_dim // 2, rot_dim, head_dim, *strides(dq),
+            BLOCK_M=64, HALF=common["HALF"], PASS=common["PASS"], W=width, INTERLEAVED=common["INTERLEAVED"],
+            SHARED=common["SHARED"], HAS_PASS=common["HAS_PASS"], JOIN_PAIRS=join_pairs, WIDE=common["WIDE"])
+        return
+    cfg = _config(head_dim, "dq", common["SHARED"])
+    rope_attn_bwd_dq_kernel[(triton.cdiv(seqlen, cfg["BLOCK_M"]), batch * n_heads)](
+        q, k, v, do, dq, lse, delta, trig, key_mask, sm_scale * LOG2E, sm_scale, *scalars,
+        n_heads // n_kv_heads, rot_dim // 2, rot_dim, head_dim, *strides(q, k, v, do, dq),
+        EVEN_N=seqlen % cfg["BLOCK_N"] == 0, WHOLE=_whole_tiles(seqlen, cfg["BLOCK_N"], head_dim, rot_dim),
+        **common, **cfg)
+
+
 class _RoPEAttention(torch.autograd.Function):
+    """q, k and v as three tensors."""
+
     @staticmethod
-    def forward(ctx, q, k, v, freqs, attention_mask, causal, sm_scale, interleaved, tensor_format):
-        batch, seqlen = (q.shape[1], q.shape[0]) if tensor_format == "sbhd" else (q.shape[0], q.shape[1])
-        n_heads, n_kv_heads, head_dim, rot_dim = q.shape[2], k.shape[2], q.shape[3], freqs.shape[3]
-        trig, shared = _trig_table(freqs, interleaved, q.dtype)
-        key_mask = attention_mask if attention_mask is not None else trig  # unused when HAS_MASK is False
-        o = torch.empty_like(q)
-        lse = torch.empty(batch, n_heads, seqlen, device=q.device, dtype=torch.float32)
-        common = dict(HALF=_pow2(rot_dim // 2), PASS=_pow2(head_dim - rot_dim), D=_pow2(head_dim),
-                      INTERLEAVED=interleaved, SHARED=shared, HAS_PASS=rot_dim < head_dim, CAUSAL=causal,
-                      HAS_MASK=attention_mask is not None,
-                      WIDE=_wide_offsets(seqlen, head_dim, tensor_format, trig, q, k, v, o))
-        cfg = _config(head_dim, "fwd", common["SHARED"])
-        # QK^T as one dot over the halves side by side, not a dot per half: on an H200 the forward
-        # gained 1-5%, except at d <= 64 under a causal mask, where it lost 2-4%
-        cfg["ONE_DOT"] = head_dim > 64 or not causal
-        rope_attn_fwd_kernel[(triton.cdiv(seqlen, cfg["BLOCK_M"]), batch * n_heads)](
-            q, k, v, o, lse, trig, key_mask, sm_scale * LOG2E, seqlen, n_heads, n_heads // n_kv_heads,
-            rot_dim // 2, rot_dim, head_dim, *(s for x in (q, k, v, o) for s in _bshd_strides(x, tensor_format)),
-            EVEN_N=seqlen % cfg["BLOCK_N"] == 0, WHOLE=_whole_tiles(seqlen, cfg["BLOCK_N"], head_dim, rot_dim),
-            **common, **cfg)
+    def forward(ctx, q, k, v, freqs, attention_mask, sm_scale, causal, interleaved, tensor_format):
+        o, lse, trig, key_mask, ctx.args = _attention_forward(q, k, v, freqs, attention_mask, sm_scale, causal,
+                                                              interleaved, tensor_format)
         ctx.save_for_backward(q, k, v, o, lse, trig, key_mask)
-        ctx.args = (batch, seqlen, n_heads, n_kv_heads, head_dim, rot_dim, sm_scale, tensor_format, common)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, trig, key_mask = ctx.saved_tensors
-        batch, seqlen, n_heads, n_kv_heads, head_dim, rot_dim, sm_scale, tensor_format, common = ctx.args
-        strides = lambda *xs: [s for x in xs for s in _bshd_strides(x, tensor_format)]  # noqa: E731
-        delta = torch.empty_like(lse)
-        rope_attn_bwd_delta_kernel[(triton.cdiv(seqlen, 64), batch * n_heads)](
-            o, do, delta, seqlen, n_heads, head_dim, *strides(o, do), BLOCK_M=64, D=common["D"])
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        scalars = (seqlen, n_heads)
-        # dQ: added up by the dkdv kernel with float32 atomics (5 matmuls a tile pair in all, as in
-        # FlashAttention 2), or, when torch.use_deterministic_algorithms(True) asks for a fixed sum
-        # order, by a second kernel that recomputes P and dP over the keys (7 matmuls).
-        atomic_dq = not torch.are_deterministic_algorithms_enabled()
-        width = 2 * common["HALF"] + (common["PASS"] if common["HAS_PASS"] else 0)
-        common = dict(common, WIDE=_wide_offsets(seqlen, head_dim, tensor_format, trig, q, k, v, do, dq, dk, dv)
-                      or seqlen * width >= INT32_LIMIT)  # the dq buffer's rows too
-        dq_acc = torch.zeros(batch * n_heads, seqlen, width, device=q.device, dtype=torch.float32) if atomic_dq else lse
-        cfg = _config(head_dim, "dkdv", common["SHARED"])
-        # pairs side by side where halves would make thin dots (N = d2 / 2 <= 32): 5-10% faster at
-        # d = 64 on an H200; at d = 128 the halves are 64 wide, and joining was 8% slower
-        join_pairs = head_dim <= 64
-        rope_attn_bwd_dkdv_kernel[(triton.cdiv(seqlen, cfg["BLOCK_N"]), batch * n_kv_heads)](
-            q, k, v, do, dk, dv, dq_acc, lse, delta, trig, key_mask, sm_scale * LOG2E, *scalars, n_kv_heads,
-            n_heads // n_kv_heads, rot_dim // 2, rot_dim, head_dim, *strides(q, k, v, do, dk, dv),
-            EVEN_N=seqlen % cfg["BLOCK_N"] == 0, WHOLE=_whole_tiles(seqlen, cfg["BLOCK_M"], head_dim, rot_dim), W=width,
-            ATOMIC_DQ=atomic_dq, JOIN_PAIRS=join_pairs, **common, **cfg)
-        if atomic_dq:
-            rope_attn_bwd_dq_store_kernel[(triton.cdiv(seqlen, 64), batch * n_heads)](
-                dq_acc, dq, trig, sm_scale, seqlen, n_heads, rot_dim // 2, rot_dim, head_dim, *strides(dq),
-                BLOCK_M=64, HALF=common["HALF"], PASS=common["PASS"], W=width, INTERLEAVED=common["INTERLEAVED"],
-                SHARED=common["SHARED"], HAS_PASS=common["HAS_PASS"], JOIN_PAIRS=join_pairs, WIDE=common["WIDE"])
-            return dq, dk, dv, None, None, None, None, None, None
-        cfg = _config(head_dim, "dq", common["SHARED"])
-        rope_attn_bwd_dq_kernel[(triton.cdiv(seqlen, cfg["BLOCK_M"]), batch * n_heads)](
-            q, k, v, do, dq, lse, delta, trig, key_mask, sm_scale * LOG2E, sm_scale, *scalars,
-            n_heads // n_kv_heads, rot_dim // 2, rot_dim, head_dim, *strides(q, k, v, do, dq),
-            EVEN_N=seqlen % cfg["BLOCK_N"] == 0, WHOLE=_whole_tiles(seqlen, cfg["BLOCK_N"], head_dim, rot_dim),
-            **common, **cfg)
-        return dq, dk, dv, None, None, None, None, None, None
+        grads = tuple(torch.empty_like(x) for x in (q, k, v))
+        _attention_backward(ctx.args, q, k, v, o, lse, trig, key_mask, do, *grads)
+        return *grads, None, None, None, None, None, None
+
+
+class _RoPEAttentionQKVPacked(torch.autograd.Function):
+    """q, k and v as one tensor [.., 3, h, d]. Its gradient is one tensor of that shape too, into
+    which the kernels write dq, dk and dv; given three views of it instead, autograd would stack
+    their three gradients, a copy of all three (38 us a layer at 05's BERT-base batch on an H200)."""
+
+    @staticmethod
+    def forward(ctx, qkv, freqs, attention_mask, sm_scale, causal, interleaved, tensor_format):
+        o, lse, trig, key_mask, ctx.args = _attention_forward(*qkv.unbind(2), freqs, attention_mask, sm_scale, causal,
+                                                              interleaved, tensor_format)
+        ctx.save_for_backward(qkv, o, lse, trig, key_mask)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        qkv, o, lse, trig, key_mask = ctx.saved_tensors
+        dqkv = torch.empty_like(qkv)
+        _attention_backward(ctx.args, *qkv.unbind(2), o, lse, trig, key_mask, do, *dqkv.unbind(2))
+        return dqkv, None, None, None, None, None, None
 
 
 def _check(q, k, v, freqs, attention_mask, sm_scale, tensor_format):
@@ -867,11 +919,33 @@ def rope_attention(q, k, v, freqs, *, causal=False, attention_mask=None, sm_scal
     Returns the output [like q], in q's layout and dtype. dq is summed with float32 atomics (its
     last bits can vary between runs) unless torch.use_deterministic_algorithms(True) is on.
     """
+    return _RoPEAttention.apply(q, k, v, freqs, *_checked(q, k, v, freqs, attention_mask, sm_scale, tensor_format),
+                                causal, interleaved, tensor_format)
+
+
+def rope_attention_qkvpacked(qkv, freqs, *, causal=False, attention_mask=None, sm_scale=None, interleaved=False,
+                             tensor_format="bshd"):
+    """rope_attention with q, k and v packed in one tensor, as one QKV projection makes them
+    (FlashAttention's flash_attn_qkvpacked_func): qkv is [b, s, 3, h, d] (bshd) or [s, b, 3, h, d]
+    (sbhd), and q, k, v = qkv.unbind(2). The same output and gradients as rope_attention(*qkv.unbind(2),
+    freqs, ...), but qkv's gradient is written as one tensor, not stacked from three (a copy saved).
+    """
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must be [b, s, 3, h, d] (bshd) or [s, b, 3, h, d] (sbhd), got shape {tuple(qkv.shape)}")
+    if qkv.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"qkv must be float16 or bfloat16, got {qkv.dtype}")
+    return _RoPEAttentionQKVPacked.apply(qkv, freqs, *_checked(*qkv.unbind(2), freqs, attention_mask, sm_scale,
+                                                                tensor_format), causal, interleaved, tensor_format)
+
+
+def _checked(q, k, v, freqs, attention_mask, sm_scale, tensor_format):
+    """Check the arguments; return the mask as the kernels read it (int8, contiguous) and the scale."""
     _check(q, k, v, freqs, attention_mask, sm_scale, tensor_format)
     if attention_mask is not None:
         attention_mask = attention_mask.to(torch.int8).contiguous()
-    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RoPEAttention.apply(q, k, v, freqs, attention_mask, causal, scale, interleaved, tensor_format)
+    return attention_mask, float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
 # %%
@@ -886,27 +960,32 @@ def self_check():
     torch.manual_seed(0)
     b, s, h, h_kv, d = (3, 257, 4, 2, 80) if DEVICE.type == "cuda" else (2, 37, 2, 1, 32)
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
+    freqs = torch.randn(s, 1, 1, d - 16, device=DEVICE)  # partial rotary, halves differ
+    mask = torch.ones(b, s, dtype=torch.bool, device=DEVICE)
+    mask[0, s // 2:] = False  # padding at the end of one sequence ...
+    mask[-1] = False  # ... and a sequence with no real token: its rows return 0
+
+    def assert_matches_reference(out, ref, inputs):
+        dout = torch.randn_like(out)
+        tol = dict(atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(out.float(), ref, **tol)
+        for name, g, r in zip(("dq", "dk", "dv") if len(inputs) == 3 else ("dqkv",),
+                              torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout.float())):
+            torch.testing.assert_close(g.float(), r.float(), **tol, msg=lambda m: f"{name}: {m}")
+
     for causal in (False, True):
         for interleaved in (False, True):
             q = torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True)
             k = torch.randn(b, s, h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True)
             v = torch.randn(b, s, h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True)
-            freqs = torch.randn(s, 1, 1, d - 16, device=DEVICE)  # partial rotary, halves differ
-            mask = torch.ones(b, s, dtype=torch.bool, device=DEVICE)
-            mask[0, s // 2:] = False  # padding at the end of one sequence ...
-            mask[-1] = False  # ... and a sequence with no real token: its rows return 0
             kwargs = dict(causal=causal, attention_mask=mask, interleaved=interleaved)
-            out = rope_attention(q, k, v, freqs, **kwargs)
-            ref = attention_reference(q, k, v, freqs, **kwargs)
-            dout = torch.randn_like(out)
-            grads = torch.autograd.grad(out, (q, k, v), dout)
-            ref_grads = torch.autograd.grad(ref, (q, k, v), dout.float())
-            tol = dict(atol=2e-2, rtol=2e-2)
-            torch.testing.assert_close(out.float(), ref, **tol)
-            for name, g, r in zip("qkv", grads, ref_grads):
-                torch.testing.assert_close(g.float(), r.float(), **tol, msg=lambda m: f"d{name}: {m}")
+            assert_matches_reference(rope_attention(q, k, v, freqs, **kwargs),
+                                     attention_reference(q, k, v, freqs, **kwargs), (q, k, v))
+    qkv = torch.randn(b, s, 3, h, d, device=DEVICE, dtype=dtype, requires_grad=True)
+    assert_matches_reference(rope_attention_qkvpacked(qkv, freqs, attention_mask=mask),
+                             attention_reference(*qkv.unbind(2), freqs, attention_mask=mask), (qkv,))
     print(f"self-check passed: output and dq/dk/dv, causal and not, both pairings, padding mask with a fully padded "
-          f"sequence, GQA {h}/{h_kv}, s={s}, d={d}, d2={d - 16}, {dtype} (device: {DEVICE.type})")
+          f"sequence, GQA {h}/{h_kv}, s={s}, d={d}, d2={d - 16}, {dtype}; q, k, v packed (device: {DEVICE.type})")
 
 
 # %%

@@ -112,12 +112,13 @@ class RoFormerSelfAttention(nn.Module):
         # under autocast and saved for the backward once instead of three times.
         weight = torch.cat((self.query.weight, self.key.weight, self.value.weight))
         bias = torch.cat((self.query.bias, self.key.bias, self.value.bias))
-        q, k, v = F.linear(x, weight, bias).view(b, s, 3, self.heads, hidden // self.heads).unbind(2)
-        if self.attn == "fused":  # 04: RoPE inside the attention kernel (fp16/bf16 only)
-            dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.float16
-            out = fused.rope_attention(q.to(dtype), k.to(dtype), v.to(dtype), freqs, attention_mask=mask,
-                                       interleaved=True).to(q.dtype)
-            return out.reshape(b, s, hidden)
+        qkv = F.linear(x, weight, bias).view(b, s, 3, self.heads, hidden // self.heads)
+        if self.attn == "fused":  # 04: RoPE inside the attention kernel (fp16/bf16 only), q, k, v packed: the
+            # backward writes their gradients as one tensor (three would be stacked, a copy)
+            dtype = qkv.dtype if qkv.dtype in (torch.float16, torch.bfloat16) else torch.float16
+            out = fused.rope_attention_qkvpacked(qkv.to(dtype), freqs, attention_mask=mask, interleaved=True)
+            return out.to(qkv.dtype).reshape(b, s, hidden)
+        q, k, v = qkv.unbind(2)
         if self.attn == "torch":  # eager PyTorch, as Hugging Face writes it
             q, k = (rope_bwd.rope_reference(t, freqs, "bshd", interleaved=True, compute_dtype=None) for t in (q, k))
             scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])

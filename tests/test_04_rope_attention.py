@@ -170,6 +170,38 @@ def test_int64_offsets(monkeypatch, deterministic):
               tensor_format="sbhd")
 
 
+@pytest.mark.parametrize("tensor_format", ["bshd", "sbhd"])
+@pytest.mark.parametrize("causal, masked, d, d2, interleaved", [(False, False, 64, 64, True), (True, True, 80, 64, False)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_qkvpacked_same_as_three_tensors(tensor_format, causal, masked, d, d2, interleaved, deterministic):
+    """rope_attention_qkvpacked(qkv) gives rope_attention(*qkv.unbind(2))'s output and gradients,
+    with qkv's gradient made by the Function itself (no stacking of three gradients by autograd).
+    The float32 dq buffer starts as torch.empty: freed NaNs are offered to it first, so a row the
+    delta kernel failed to zero would show."""
+    torch.manual_seed(d)
+    b, s, h = 2, (257 if ON_GPU else 40), 4
+    shape = (s, b) if tensor_format == "sbhd" else (b, s)
+    qkv = torch.randn(*shape, 3, h, d, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    freqs = torch.randn(s, 1, 1, d2, device=DEVICE)
+    kwargs = dict(causal=causal, attention_mask=padding_mask(b, s) if masked else None, interleaved=interleaved,
+                  tensor_format=tensor_format)
+    dout = torch.randn(*shape, h, d, device=DEVICE, dtype=torch.float16)
+    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
+        packed = attn.rope_attention_qkvpacked(qkv, freqs, **kwargs)
+        assert packed.grad_fn.next_functions[0][0].variable is qkv  # straight to qkv, no UnbindBackward
+        torch.full((b * h * s * d,), float("nan"), device=DEVICE)  # the dq buffer's size here, freed at once
+        (dqkv,) = torch.autograd.grad(packed, qkv, dout)
+        three = attn.rope_attention(*qkv.unbind(2), freqs, **kwargs)
+        (dqkv_three,) = torch.autograd.grad(three, qkv, dout)
+    assert packed.equal(three)
+    exact = deterministic or not ON_GPU  # else the atomics add dq in no fixed order
+    for i in range(3):
+        torch.testing.assert_close(dqkv[:, :, i], dqkv_three[:, :, i], **({} if not exact else dict(atol=0, rtol=0)))
+    ref = attn.attention_reference(*qkv.unbind(2), freqs, **kwargs)
+    (ref_dqkv,) = torch.autograd.grad(ref, qkv, dout.float())
+    assert_close_to_reference(dqkv, ref_dqkv, dqkv_three)
+
+
 def test_rows_that_see_no_key_are_zero():
     _, q, k, v = make(2, 50, 2, 2, 32)
     mask = torch.zeros(2, 50, dtype=torch.int32, device=DEVICE)  # 0/1 integers, Hugging Face's convention
@@ -241,6 +273,12 @@ def test_errors():
          "head dim must be between 16 and 128"),
         (lambda: attn.rope_attention(q, k, v, f, sm_scale=-0.5), ValueError, "sm_scale must be a positive"),
         (lambda: attn.rope_attention(q, k, v, f, sm_scale=0), ValueError, "sm_scale must be a positive"),
+        (lambda: attn.rope_attention_qkvpacked([q, k, v], f), TypeError, "qkv must be a torch.Tensor"),
+        (lambda: attn.rope_attention_qkvpacked(q, f), ValueError, r"qkv must be \[b, s, 3, h, d\]"),
+        (lambda: attn.rope_attention_qkvpacked(torch.stack((q, q), 2), f), ValueError, "got shape"),
+        (lambda: attn.rope_attention_qkvpacked(torch.stack((q, q, q), 2).float(), f), TypeError,
+         "qkv must be float16 or bfloat16"),
+        (lambda: attn.rope_attention_qkvpacked(torch.stack((q, q, q), 2), f[:4]), ValueError, "over the 4 rows"),
     ]
     for call, error, message in cases:
         with pytest.raises(error, match=message):
