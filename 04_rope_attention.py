@@ -904,6 +904,14 @@ def _check(q, k, v, freqs, attention_mask, sm_scale, tensor_format):
         raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale}")
 
 
+def _checked(q, k, v, freqs, attention_mask, sm_scale, tensor_format):
+    """Check the arguments; return the mask as the kernels read it (int8, contiguous) and the scale."""
+    _check(q, k, v, freqs, attention_mask, sm_scale, tensor_format)
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(torch.int8).contiguous()
+    return attention_mask, float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
 def rope_attention(q, k, v, freqs, *, causal=False, attention_mask=None, sm_scale=None, interleaved=False,
                    tensor_format="bshd"):
     """Attention with RoPE applied to q and k inside the kernel; differentiable in q, k and v.
@@ -938,14 +946,6 @@ def rope_attention_qkvpacked(qkv, freqs, *, causal=False, attention_mask=None, s
         raise TypeError(f"qkv must be float16 or bfloat16, got {qkv.dtype}")
     return _RoPEAttentionQKVPacked.apply(qkv, freqs, *_checked(*qkv.unbind(2), freqs, attention_mask, sm_scale,
                                                                 tensor_format), causal, interleaved, tensor_format)
-
-
-def _checked(q, k, v, freqs, attention_mask, sm_scale, tensor_format):
-    """Check the arguments; return the mask as the kernels read it (int8, contiguous) and the scale."""
-    _check(q, k, v, freqs, attention_mask, sm_scale, tensor_format)
-    if attention_mask is not None:
-        attention_mask = attention_mask.to(torch.int8).contiguous()
-    return attention_mask, float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
 # %%
