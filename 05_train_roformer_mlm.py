@@ -194,9 +194,12 @@ def capture_cuda_graphs(model, batch_size, seq_len):
     shape, dtype = (batch_size, seq_len, model.cfg.hidden_size), torch.float32  # a LayerNorm's output under autocast
     rng = torch.cuda.get_rng_state()
     samples = tuple((torch.zeros(shape, device=model.freqs.device, dtype=dtype, requires_grad=True),) for _ in layers)
-    # The warm-up passes run on a side stream and make the parameters' AccumulateGrad nodes there; autograd would
-    # then warn once a process that their stream is not the replays'. The gradients are the eager ones (tested).
-    torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
+    # The warm-up passes run on a side stream and make the parameters' AccumulateGrad nodes there; recent PyTorch
+    # then warns once a process that their stream is not the replays' (older versions have no such warning or
+    # switch). The gradients are the eager ones (tested).
+    silence = getattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch", None)
+    if silence is not None:
+        silence(False)
     # A graph freed while another is being captured breaks the capture, and graphed modules are freed only by
     # the garbage collector (they refer to themselves): collect now, and not during the capture.
     gc.collect()
