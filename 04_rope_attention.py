@@ -217,6 +217,16 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # only for a tensor whose rows within one head could span 2^31 elements. On an H200 int32 made the
 # forward 3-4% faster at most shapes, and 35% faster with interleaved pairs under a causal mask
 # (whose kernel had needed 150 registers, now 118); forward + backward gained 1-3% (9% there).
+#
+# What is left to cuDNN
+# ---------------------
+# cuDNN runs attention 1.3-1.5x faster than these kernels at the larger shapes. It specializes
+# warps: some load tiles while others compute, so the softmax (and here the rotation) would hide
+# behind the tensor cores. Triton spells that tl.range(..., warp_specialize=True) over loads from
+# TMA tensor descriptors. On Hopper, in Triton 3.6 and 3.9, a loop shaped like this file's dkdv
+# loop does not compile with it, and the one forward loop that compiled never returned from its
+# first call (results/04_rope_attention_ab.log, session 11). So every loop here is a plain
+# software pipeline, which Triton builds from num_stages.
 
 # %%
 # The kernels
