@@ -1,6 +1,7 @@
 """04_rope_attention.py: output and dq/dk/dv against the float32 reference over causal x padding
 mask x odd lengths x head dims x GQA x pairing x partial rotary x layout x dtype; the same loss and
-gradients as 03's RoPE + SDPA; rows with no visible key; memory; errors.
+gradients as 03's RoPE + SDPA; rows with no visible key; torch.compile (fullgraph and default
+mode) against eager, and torch.library.opcheck of the two operators; memory; errors.
 
 On the CPU the interpreter runs fp16 only: Triton 3.9's interpreter computes bf16 tl.dot wrongly,
 so bf16 is tested on the GPU. The interpreter also has no inline assembly: there the packed
@@ -119,12 +120,13 @@ def test_gqa_layouts_strides_dtypes(h, h_kv, tensor_format, dtype):
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("d", [32, 64, 128])
-def test_whole_tiles(d, interleaved, deterministic):
+def test_whole_blocks(d, interleaved, deterministic):
     """A length that is a whole number of every kernel's blocks, all channels rotated, a power-of-two
-    head dim: the inner loops load their tiles with no mask (WHOLE)."""
+    head dim: the inner loops load their tiles with no mask (EVEN_M, EVEN_N, EVEN_D)."""
     torch.manual_seed(d)
     s = 512 if ON_GPU else 64
-    assert attn._whole_tiles(s, 128 if ON_GPU else 32, d, d)
+    blocks = [attn._config(kernel, d, s, True)[block] for kernel in ("fwd", "dkdv", "dq") for block in ("BLOCK_M", "BLOCK_N")]
+    assert all(s % block == 0 for block in blocks)
     _, q, k, v = make(2, s, 4, 2, d)
     with deterministic_algorithms() if deterministic else contextlib.nullcontext():
         check(q, k, v, attn.rope_freqs(s, d, interleaved=interleaved, device=DEVICE), causal=True,
@@ -161,10 +163,10 @@ def test_int64_offsets(monkeypatch, deterministic):
     s = 100 if ON_GPU else 33
     qkv, q, k, v = make(2, s, 4, 2, 64, tensor_format="sbhd", packed=True)
     freqs = attn.rope_freqs(s, 64, interleaved=True, device=DEVICE)
-    trig = attn._trig_table(freqs, True, q.dtype)[0]
-    assert not attn._wide_offsets(s, 64, "sbhd", trig, q, k, v)
+    dims = attn._dims(q, k, 64, "sbhd")
+    assert not attn._wide(dims, "sbhd", q, k, v)
     monkeypatch.setattr(attn, "INT32_LIMIT", (s - 1) * q.stride(0))  # q's last row now reaches the limit
-    assert attn._wide_offsets(s, 64, "sbhd", trig, q, k, v)
+    assert attn._wide(dims, "sbhd", q, k, v)
     with deterministic_algorithms() if deterministic else contextlib.nullcontext():
         check(q, k, v, freqs, leaves=(qkv,), causal=True, attention_mask=padding_mask(2, s), interleaved=True,
               tensor_format="sbhd")
@@ -283,3 +285,86 @@ def test_errors():
     for call, error, message in cases:
         with pytest.raises(error, match=message):
             call()
+
+
+COMPILE_CASES = {  # name -> (h, h_kv, d, d2, causal, masked, interleaved, tensor_format, packed)
+    "plain": (2, 2, 32, 32, False, False, False, "bshd", False),
+    "causal, padding mask": (2, 2, 32, 32, True, True, False, "bshd", False),
+    "GQA, interleaved, partial rotary": (4, 2, 48, 32, True, False, True, "bshd", False),
+    "packed, sbhd, padding mask": (2, 2, 32, 32, False, True, True, "sbhd", True),
+}
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+@pytest.mark.parametrize("case", list(COMPILE_CASES))
+def test_torch_compile_matches_eager(case, fullgraph):
+    """torch.compile takes both functions whole (fullgraph=True would raise on a graph break), forward
+    and backward, and gives eager's output and gradients."""
+    h, h_kv, d, d2, causal, masked, interleaved, tensor_format, packed = COMPILE_CASES[case]
+    torch.manual_seed(3)
+    b, s = 2, (100 if ON_GPU else 24)
+    shape = (s, b) if tensor_format == "sbhd" else (b, s)
+    kwargs = dict(causal=causal, attention_mask=padding_mask(b, s) if masked else None, interleaved=interleaved,
+                  tensor_format=tensor_format)
+    freqs = torch.randn(s, 1, 1, d2, device=DEVICE)
+    if packed:
+        inputs = (torch.randn(*shape, 3, h, d, device=DEVICE, dtype=torch.float16, requires_grad=True),)
+        fn = attn.rope_attention_qkvpacked
+    else:
+        inputs = tuple(torch.randn(*shape, heads, d, device=DEVICE, dtype=torch.float16, requires_grad=True)
+                       for heads in (h, h_kv, h_kv))
+        fn = attn.rope_attention
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=fullgraph, backend="inductor" if ON_GPU else "aot_eager")
+    with deterministic_algorithms():  # a fixed order of sums, so that eager and compiled can be compared bit for bit
+        eager_out = fn(*inputs, freqs, **kwargs)
+        compiled_out = compiled(*inputs, freqs, **kwargs)
+        dout = torch.randn_like(eager_out)
+        eager_grads = torch.autograd.grad(eager_out, inputs, dout)
+        compiled_grads = torch.autograd.grad(compiled_out, inputs, dout)
+    assert compiled_out.equal(eager_out)
+    for a, b_ in zip(compiled_grads, eager_grads):
+        assert a.equal(b_)
+    ref = attn.attention_reference(*(inputs[0].unbind(2) if packed else inputs), freqs, **kwargs)
+    assert_close_to_reference(compiled_out, ref, lowp_reference(*(inputs[0].unbind(2) if packed else inputs), freqs,
+                                                                 **kwargs))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_opcheck(packed):
+    """torch.library.opcheck: the operators' schemas, fake (shape-only) implementations and autograd
+    registration agree with what the kernels do, as torch.compile relies on."""
+    torch.manual_seed(4)
+    b, s, h, d = 2, 20, 2, 32
+    freqs = attn.rope_freqs(s, d, device=DEVICE)
+    mask = padding_mask(b, s, fully_padded=False).to(torch.int8)
+    qkv = ([torch.randn(b, s, 3, h, d, device=DEVICE, dtype=torch.float16, requires_grad=True)] if packed else
+           [torch.randn(b, s, h, d, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3)])
+    args = (qkv, freqs, mask, 0.25, True, False, "bshd", True)
+    torch.library.opcheck(attn.forward_op, args)
+    o, lse, rq, rk, trig = (x.detach() for x in attn.forward_op(*args))  # the backward op has no backward
+    assert rq.shape == (b, h, s, 32) and rk.shape == (b, h, s, 32) and trig.shape == (s, 4 * 16)
+    saved = (qkv[0] if packed else qkv[2]).detach()
+    torch.library.opcheck(attn.backward_op, (torch.randn_like(o), rq, rk, saved, o, lse, trig, mask, d, 0.25, True,
+                                             False, "bshd", packed))
+
+
+def test_rotated_layout_is_zero_padded():
+    """rq and rk hold each row as [a members | pad | b members | pad | pass-through]; the pad lanes
+    are zeros (they are read whole by the attention loops), and q's rotated copy is RoPE(q)."""
+    torch.manual_seed(5)
+    b, s, h, d, d2 = 2, 30, 2, 64, 44  # 22 pairs, padded to 32: W = 2 * 32 + 20
+    q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    for x in (q, k):
+        with torch.no_grad():
+            x[..., d2:] += 1.0  # pass-through channels away from 0
+    freqs = torch.randn(s, 1, 1, d2, device=DEVICE)
+    _, _, rq, rk, _ = attn.forward_op([q, k, v], freqs, None, 0.125, False, True, "bshd", True)
+    assert rq.shape == rk.shape == (b, h, s, 84)
+    for x, rx in ((q, rq), (k, rk)):
+        expected = attn.rope_reference(x, freqs, interleaved=True).transpose(1, 2)
+        a, b_, rest = expected[..., 0:d2:2], expected[..., 1:d2:2], expected[..., d2:]  # interleaved pairs
+        torch.testing.assert_close(rx[..., :22].float(), a, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(rx[..., 32:54].float(), b_, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(rx[..., 64:].float(), rest, atol=0, rtol=0)
+        assert (rx[..., 22:32] == 0).all() and (rx[..., 54:64] == 0).all()
