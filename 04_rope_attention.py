@@ -114,15 +114,25 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 #   writes 3U, then RoPE's backward reads and writes dq and dk again (4U): 8U + 12U.
 # - Rotating inside the attention loops: 4U + 8U, but every K tile is rotated on every visit, once
 #   per block of queries: O(s^2 / BLOCK_M) rotations, next to the online softmax in the loop that
-#   sets the pace. Measured on an H200 with such a kernel, the rotation of K tiles cost 16-19% of
-#   the forward at s = 2048-4096, where a separate pass costs 5-8%.
+#   sets the pace (and the rotation's instructions sit on the critical path of every tile).
 # - This file: K is rotated once by a pass of its own (2U); the forward rotates q's tile in its
 #   prologue and writes it out for the backward (1U more); attention runs on rotated tiles (4U).
 #   The backward reads the saved rotated q and k (no rotation in its loops either) and rotates dk
 #   and dq back as it stores them (8U): 7U + 8U in all, and the loops are plain FlashAttention.
 # At 05's shape, (32, 12, 512, 64) in bf16, U is 25 MB: a few microseconds each at H100/H200
-# bandwidth, against ~100 us of attention. The rotation pass takes the sines and cosines of the
-# angles once per block of positions and uses them for every head.
+# bandwidth, against ~130 us of attention. The rotation pass takes the sines and cosines of the
+# angles once per block of positions, uses them for every head, and writes them to a float32
+# table [s, 4 * HALF] that the other kernels read: libdevice's sin and cos, evaluated per element
+# of the q tile in the forward's prologue, cost about as much as the whole loop at s = 512 (and a
+# 32-byte stack frame for their slow path), so the forward took 184 us there instead of 66.
+#
+# Measured, in one run each on an H100 and an H200 (results/04_rope_attention_ab.log): rotating
+# once takes 5-14% off forward + backward from s = 1024 on, and 3-18% off the forward from s = 2048
+# on (the most at d = 128). At s = 512 the in-loop kernel's forward is still faster, 54 against
+# 64-66 us at (16, 12, 512, 64), and its forward + backward by 4-7%: there the O(s) work (the pass,
+# the prologue's rotation, rq's store) is a large share of a short loop. This file keeps one design.
+# Rotating in packed bf16x2 arithmetic (inline PTX), which paid 4-8% when the rotation sat in the
+# loop, no longer pays in an O(s) pass bound by memory, and is gone.
 #
 # The rotated layout
 # ------------------
