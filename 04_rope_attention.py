@@ -131,6 +131,8 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # on (the most at d = 128). At s = 512 the in-loop kernel's forward is still faster, 54 against
 # 64-66 us at (16, 12, 512, 64), and its forward + backward by 4-7%: there the O(s) work (the pass,
 # the prologue's rotation, rq's store) is a large share of a short loop. This file keeps one design.
+# Rotating q in the pass as well (the forward then loads rq like rk) was 4-6% slower in the forward
+# at s = 512 and 3-6% faster from s = 1024, forward + backward within 1% (H100): not kept.
 # Rotating in packed bf16x2 arithmetic (inline PTX), which paid 4-8% when the rotation sat in the
 # loop, no longer pays in an O(s) pass bound by memory, and is gone.
 #
@@ -227,16 +229,6 @@ def _load_rotated(rows, stride_d, rows_ok, cos_a, sin_a, cos_b, sin_b, half, HAL
 
 
 @triton.jit
-def _store_rotated_back(rows, stride_d, rows_ok, g_a, g_b, cos_a, sin_a, cos_b, sin_b, half, HALF: tl.constexpr,
-                        INTERLEAVED: tl.constexpr):
-    """Store R^T g: a gradient taken in the rotated basis, in the tensor's own basis, layout and dtype."""
-    a, b, lanes = _pairs(half, HALF, INTERLEAVED)
-    dtype = rows.dtype.element_ty
-    tl.store(rows + a * stride_d, (g_a * cos_a + g_b * sin_b).to(dtype), mask=rows_ok & lanes)
-    tl.store(rows + b * stride_d, (g_b * cos_b - g_a * sin_a).to(dtype), mask=rows_ok & lanes)
-
-
-@triton.jit
 def _halves_side_by_side(x_a, x_b):
     """[rows, HALF] twice -> one [rows, 2 * HALF] tile, a0 a1 ... b0 b1 ... (joined in registers)."""
     return tl.reshape(tl.permute(tl.join(x_a, x_b), (0, 2, 1)), (x_a.shape[0], 2 * x_a.shape[1]))
@@ -246,6 +238,21 @@ def _halves_side_by_side(x_a, x_b):
 def _halves_apart(x):
     """The inverse of _halves_side_by_side: (x_a, x_b)."""
     return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _store_gradient(rows, stride_d, rows_ok, g_r, g_p, cos_a, sin_a, cos_b, sin_b, half, n_pass, HALF: tl.constexpr,
+                    PASS: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr):
+    """Store a gradient held in the rotated layout (g_r: [rows, 2 * HALF], the halves side by side;
+    g_p: the pass-through channels) in the tensor's own basis, layout and dtype: R^T g, then g_p."""
+    g_a, g_b = _halves_apart(g_r)
+    a, b, lanes = _pairs(half, HALF, INTERLEAVED)
+    dtype = rows.dtype.element_ty
+    tl.store(rows + a * stride_d, (g_a * cos_a + g_b * sin_b).to(dtype), mask=rows_ok & lanes)
+    tl.store(rows + b * stride_d, (g_b * cos_b - g_a * sin_a).to(dtype), mask=rows_ok & lanes)
+    if HAS_PASS:
+        c = tl.arange(0, PASS)[None, :]
+        tl.store(rows + (2 * half + c) * stride_d, g_p.to(dtype), mask=rows_ok & (c < n_pass))
 
 
 @triton.jit
@@ -270,7 +277,7 @@ def rope_pass_kernel(x_ptr, y_ptr, freqs_ptr, trig_ptr, scale, seqlen, n_heads, 
             tl.store(rows + 3 * HALF, sin_b, mask=ok)
     else:
         cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, pos, ok, HALF)
-    i, c = tl.arange(0, HALF)[None, :], tl.arange(0, PASS)[None, :]
+    i, j, c = tl.arange(0, HALF)[None, :], tl.arange(0, 2 * HALF)[None, :], tl.arange(0, PASS)[None, :]
     x_head, y_head = x_ptr + b * stride_xb, y_ptr + b * stride_yb
     for _ in range(n_heads):
         x_rows, y_rows = x_head + pos[:, None] * stride_xs, y_head + pos[:, None] * stride_ys
@@ -278,16 +285,14 @@ def rope_pass_kernel(x_ptr, y_ptr, freqs_ptr, trig_ptr, scale, seqlen, n_heads, 
             y_a, y_b = _load_rotated(x_rows, stride_xd, ok, cos_a, sin_a, cos_b, sin_b, half, HALF, INTERLEAVED)
             tl.store(y_rows + i * stride_yd, y_a.to(y_ptr.dtype.element_ty), mask=ok)  # all lanes: pads are 0
             tl.store(y_rows + (HALF + i) * stride_yd, y_b.to(y_ptr.dtype.element_ty), mask=ok)
-            x_pass, y_pass = 2 * half, 2 * HALF
+            if HAS_PASS:
+                x_p = tl.load(x_rows + (2 * half + c) * stride_xd, mask=ok & (c < n_pass), other=0.0)
+                tl.store(y_rows + (2 * HALF + c) * stride_yd, x_p, mask=ok & (c < n_pass))
         else:
-            g_a = tl.load(x_rows + i * stride_xd, mask=ok, other=0.0) * scale
-            g_b = tl.load(x_rows + (HALF + i) * stride_xd, mask=ok, other=0.0) * scale
-            _store_rotated_back(y_rows, stride_yd, ok, g_a, g_b, cos_a, sin_a, cos_b, sin_b, half, HALF, INTERLEAVED)
-            x_pass, y_pass = 2 * HALF, 2 * half
-        if HAS_PASS:
-            x_p = tl.load(x_rows + (x_pass + c) * stride_xd, mask=ok & (c < n_pass), other=0.0)
-            tl.store(y_rows + (y_pass + c) * stride_yd, (x_p * scale).to(y_ptr.dtype.element_ty),
-                     mask=ok & (c < n_pass))
+            g_r = tl.load(x_rows + j * stride_xd, mask=ok, other=0.0) * scale
+            g_p = tl.load(x_rows + (2 * HALF + c) * stride_xd, mask=ok & (c < n_pass), other=0.0) * scale
+            _store_gradient(y_rows, stride_yd, ok, g_r, g_p, cos_a, sin_a, cos_b, sin_b, half, n_pass, HALF, PASS,
+                            INTERLEAVED, HAS_PASS)
         x_head += stride_xh
         y_head += stride_yh
 
@@ -476,13 +481,10 @@ def rope_attn_bwd_dkdv_kernel(
                 dk_p = tl.dot(ds_t, q_p, dk_p)
     # epilogue: dk = R^T d(Rk), scaled (dS/dRk = sm_scale * dS^T Rq; qk_scale is in log2 units)
     sm_scale = qk_scale * LN2
-    dk_a, dk_b = _halves_apart(dk_r * sm_scale)
-    dk_rows = dk_ptr + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks
     cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, offs_n, n_ok, HALF)
-    _store_rotated_back(dk_rows, stride_dkd, n_ok, dk_a, dk_b, cos_a, sin_a, cos_b, sin_b, half, HALF, INTERLEAVED)
-    if HAS_PASS:
-        tl.store(dk_rows + (2 * half + c) * stride_dkd, (dk_p * sm_scale).to(dk_ptr.dtype.element_ty),
-                 mask=n_ok & (c < n_pass))
+    _store_gradient(dk_ptr + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks, stride_dkd, n_ok,
+                    dk_r * sm_scale, dk_p * sm_scale, cos_a, sin_a, cos_b, sin_b, half, n_pass, HALF, PASS,
+                    INTERLEAVED, HAS_PASS)
     tl.store(dv_ptr + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvs + d * stride_dvd,
              dv.to(dv_ptr.dtype.element_ty), mask=n_ok & (d < head_dim))
 
@@ -539,13 +541,10 @@ def rope_attn_bwd_dq_kernel(
         if HAS_PASS:
             dq_p = tl.dot(ds, k_p, dq_p)
     sm_scale = qk_scale * LN2
-    dq_a, dq_b = _halves_apart(dq_r * sm_scale)
-    dq_rows = dq_ptr + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs
     cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, offs_m, m_ok, HALF)
-    _store_rotated_back(dq_rows, stride_dqd, m_ok, dq_a, dq_b, cos_a, sin_a, cos_b, sin_b, half, HALF, INTERLEAVED)
-    if HAS_PASS:
-        tl.store(dq_rows + (2 * half + c) * stride_dqd, (dq_p * sm_scale).to(dq_ptr.dtype.element_ty),
-                 mask=m_ok & (c < n_pass))
+    _store_gradient(dq_ptr + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs, stride_dqd, m_ok,
+                    dq_r * sm_scale, dq_p * sm_scale, cos_a, sin_a, cos_b, sin_b, half, n_pass, HALF, PASS,
+                    INTERLEAVED, HAS_PASS)
 
 
 # %%
@@ -1076,15 +1075,15 @@ def environment():
 
 def save_results(rows, yardstick, results_dir, command):
     """results/04_rope_attention_<gpu>.md (the table) and .png (the plot), <gpu> as in 'H100'."""
-    import subprocess
+    import hashlib
     os.makedirs(results_dir, exist_ok=True)
     gpu = next((w for w in torch.cuda.get_device_name().split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
     stem = os.path.join(results_dir, f"04_rope_attention_{gpu}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    with open(__file__, "rb") as f:  # names the code measured (a copy's git history may be stale)
+        md5 = hashlib.md5(f.read()).hexdigest()
     with open(stem + ".md", "w") as f:
-        f.write(f"# RoPE + attention on the {gpu}: fused against RoPE then attention\n\n{environment()}; commit "
-                f"{commit}\n\nCommand: `{command}`. Raw log: `{os.path.basename(stem)}.log`.\n\nThe yardstick: a "
+        f.write(f"# RoPE + attention on the {gpu}: fused against RoPE then attention\n\n{environment()}; "
+                f"04_rope_attention.py md5 {md5}\n\nCommand: `{command}`. Raw log: `{os.path.basename(stem)}.log`.\n\nThe yardstick: a "
                 f"bf16 8192^3 matmul ran at {yardstick:.0f} TF/s in this run, timed the same way.\n\nbf16. TF/s count "
                 "4*b*h*s^2*d FLOPs, halved when causal, x3.5 for forward + backward. 'graph': GPU time replayed "
                 "from a CUDA graph (median of three do_bench_cudagraph(rep=40) medians); 'stream': do_bench. Peak extra "

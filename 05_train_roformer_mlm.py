@@ -13,7 +13,8 @@ In this tutorial, you will learn about:
 * BERT/RoFormer masking (15%: 80% [MASK], 10% random, 10% unchanged), the loss and accuracy on
   masked positions only, with the MLM head run on those positions only;
 * a nanoGPT-style loop: AdamW, warmup then linear decay, gradient accumulation and clipping, bf16
-  autocast, atomic checkpoints and an exact ``--resume`` (bit for bit; on a GPU, under
+  autocast, durable checkpoints (fsync, the previous one kept, loaded with ``weights_only=True``)
+  and an exact ``--resume`` (bit for bit; on a GPU, under
   torch.use_deterministic_algorithms(True), since 04's dq and PyTorch's index backward otherwise
   add with float atomics), DistributedDataParallel via torchrun;
 * why a small model trains at the pace of Python rather than the GPU, and ``--cuda-graphs``: each
@@ -34,6 +35,7 @@ import itertools
 import json
 import math
 import os
+import pickle
 import random
 import statistics
 import sys
@@ -486,7 +488,8 @@ def parse_args(argv=None):
                    "(default: the Python standard library's source)")
     p.add_argument("--out", default="out-roformer", help="folder for checkpoints, logs and the plot")
     p.add_argument("--init-from", default=None, help="a Hugging Face RoFormer checkpoint directory")
-    p.add_argument("--resume", action="store_true", help="continue from --out/ckpt.pt")
+    p.add_argument("--resume", action="store_true", help="continue from --out/ckpt.pt (from ckpt-prev.pt, with a "
+                   "warning, when ckpt.pt is missing or unreadable)")
     p.add_argument("--seq-len", type=int, default=512 if on_gpu else 64)
     p.add_argument("--batch-size", type=int, default=32 if on_gpu else 4)
     p.add_argument("--grad-accum", type=int, default=1)
@@ -523,6 +526,11 @@ def parse_args(argv=None):
         p.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     if args.cuda_graphs and not on_gpu:
         p.error("--cuda-graphs needs a GPU (CUDA graphs); this machine has none")
+    if args.data is not None and not os.path.exists(args.data):
+        p.error(f"--data {args.data}: no such file or folder")
+    if args.data is not None and os.path.isdir(args.data) and not any(
+            f.endswith(".txt") for _, _, fs in os.walk(args.data) for f in fs):
+        p.error(f"--data {args.data}: no .txt files in this folder")
     return args
 
 
@@ -566,11 +574,76 @@ def out_of_memory_advice(args):
                          f"lower --batch-size and raise --grad-accum to keep the tokens per step") from None
 
 
+# %%
+# Checkpoints
+# -----------
+# Saving: write a temporary file, flush it and fsync it (its bytes are on the disk), rename the
+# current checkpoint to ckpt-prev.pt, rename the new one to ckpt.pt, fsync the folder (the renames
+# are on the disk). A kill or a crash at any point leaves ckpt.pt or ckpt-prev.pt whole; a broken
+# latest checkpoint costs at most one --ckpt-interval.
+# Loading: torch.load(weights_only=True), PyTorch's default since 2.6, which unpickles tensors,
+# numbers, strings and containers and refuses any other object: a checkpoint from elsewhere runs no
+# code. So everything saved is of those types (the RNG states are byte tensors, Python's is a tuple
+# of ints). A ckpt.pt that is missing or cannot be read is replaced, with a warning, by a readable
+# ckpt-prev.pt (the run continues from one interval earlier, as an unattended restart needs); a
+# checkpoint of another model configuration is refused, never loaded halfway.
+
+
 def save_atomic(obj, path):
-    """Write to a temporary file, then rename: an interrupted save never leaves a corrupt checkpoint."""
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
+    """Write obj to path durably and atomically, keeping the checkpoint it replaces as <path>-prev."""
+    tmp, folder = path + ".tmp", os.path.dirname(os.path.abspath(path))
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(path):
+        os.replace(path, previous_checkpoint(path))
     os.replace(tmp, path)
+    if hasattr(os, "O_DIRECTORY"):  # POSIX: make the renames durable too
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def previous_checkpoint(path):
+    root, ext = os.path.splitext(path)
+    return f"{root}-prev{ext}"
+
+
+def read_checkpoint(path, config):
+    """The checkpoint at path (or, failing that, the previous one), checked against the model config;
+    anything wrong ends the run with one line naming the file."""
+    def read(p):
+        if not os.path.isfile(p):
+            return None, "no such file"
+        try:
+            ckpt = torch.load(p, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:  # weights_only refused an object, or the pickle is broken
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return None, f"not loadable as plain tensors and values (weights_only=True): {first[:200]}"
+        except Exception as e:  # noqa: BLE001  (truncated or corrupt: EOFError, RuntimeError, OSError, zip errors)
+            return None, f"unreadable ({type(e).__name__}: {str(e).strip()[:200] or 'no detail'}); truncated or corrupt?"
+        keys = {"model", "optimizer", "step", "seen", "rng", "history", "config"}
+        if not isinstance(ckpt, dict) or not keys <= set(ckpt):
+            return None, f"not a checkpoint of this script (it needs the entries {sorted(keys)})"
+        return ckpt, None
+    ckpt, problem = read(path)
+    if problem:
+        prev = previous_checkpoint(path)
+        ckpt_prev, problem_prev = read(prev)
+        if problem_prev:
+            raise SystemExit(f"--resume: {path}: {problem}" + (f"; {prev}: {problem_prev}" if os.path.exists(prev)
+                                                                else ""))
+        print(f"WARNING --resume: {path}: {problem}. Resuming from the previous checkpoint {prev} "
+              f"(step {ckpt_prev['step']}) instead.", flush=True)
+        path, ckpt = prev, ckpt_prev
+    if ckpt["config"] != config:
+        diff = ", ".join(f"{k} {ckpt['config'].get(k)!r} there, {v!r} here" for k, v in config.items()
+                         if ckpt["config"].get(k) != v)
+        raise SystemExit(f"--resume: {path} was written for another model configuration ({diff})")
+    return ckpt
 
 
 @torch.no_grad()
@@ -644,19 +717,16 @@ def train(args, ddp, rank, world, device):
     os.makedirs(args.out, exist_ok=True)
     ckpt_path, step, seen, history = os.path.join(args.out, "ckpt.pt"), 0, [0] * world, []
     if args.resume:
-        if not os.path.isfile(ckpt_path):
-            raise SystemExit(f"--resume: no checkpoint at {ckpt_path}")
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        ckpt = read_checkpoint(ckpt_path, dataclasses.asdict(model.cfg))
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         step, seen, history = ckpt["step"], ckpt["seen"], ckpt["history"]
         if len(seen) != world:
             raise SystemExit(f"--resume: the checkpoint was written by {len(seen)} ranks, this run has {world}")
-        # map_location moved the RNG states (byte tensors) to the GPU too; both setters want them on the CPU
-        torch.set_rng_state(ckpt["rng"][rank]["torch"].cpu())
+        torch.set_rng_state(ckpt["rng"][rank]["torch"])  # (loaded to the CPU, where both setters want them)
         random.setstate(ckpt["rng"][rank]["python"])
         if device.type == "cuda":
-            torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"].cpu())
+            torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
     if args.cuda_graphs:  # after loading a checkpoint (the graphs read the weights in place), before DDP
         capture_cuda_graphs(model, args.batch_size, args.seq_len)
     raw_model = model

@@ -1,10 +1,14 @@
 """05_train_roformer_mlm.py: faithfulness to Hugging Face's RoFormerForMaskedLM, the attention paths
-agreeing, BERT masking, an exact resume, atomic checkpoints, DDP (gloo on the CPU), bad inputs."""
+agreeing, BERT masking, an exact resume, durable checkpoints (a kill during a save, broken and
+foreign checkpoints), DDP (gloo on the CPU), bad inputs."""
+import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -203,16 +207,99 @@ def test_cuda_graphs_need_a_gpu(capsys):
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt.pt")
     train.save_atomic({"step": 1}, path)
+    train.save_atomic({"step": 2}, path)
+    assert torch.load(path)["step"] == 2 and torch.load(tmp_path / "ckpt-prev.pt")["step"] == 1
 
     def failing_save(obj, f):
-        with open(f, "wb") as fh:
-            fh.write(b"half a checkpoint")
+        f.write(b"half a checkpoint")
         raise KeyboardInterrupt
     monkeypatch.setattr(torch, "save", failing_save)
     with pytest.raises(KeyboardInterrupt):
-        train.save_atomic({"step": 2}, path)
+        train.save_atomic({"step": 3}, path)
     monkeypatch.undo()
-    assert torch.load(path)["step"] == 1
+    assert torch.load(path)["step"] == 2 and torch.load(tmp_path / "ckpt-prev.pt")["step"] == 1
+
+
+LOSSES = lambda h: [(r["step"], r["loss"]) for r in h if "loss" in r]  # noqa: E731
+
+
+def test_broken_checkpoints_end_with_one_line(tmp_path):
+    """A truncated ckpt.pt, one of another configuration, one holding a pickled object: each ends the
+    run with one line naming the file; a readable ckpt-prev.pt is used instead of a broken ckpt.pt."""
+    out, common = tmp_path / "run", TINY + ["--max-steps", "6", "--ckpt-interval", "2"]
+    with deterministic_algorithms():
+        straight = train.main(["--out", str(out)] + common)  # checkpoints at steps 2, 4 and 6
+    ckpt, prev = out / "ckpt.pt", out / "ckpt-prev.pt"
+    good, good_prev = ckpt.read_bytes(), prev.read_bytes()
+    ckpt.write_bytes(good[:len(good) // 2])  # a copy cut short
+    prev.unlink()
+    with pytest.raises(SystemExit, match=r"--resume: .*ckpt.pt: unreadable .*truncated or corrupt\?$"):
+        train.main(["--out", str(out), "--resume"] + common)
+    prev.write_bytes(good_prev)  # with the previous checkpoint (step 4) there, the run goes on from it
+    with deterministic_algorithms():
+        resumed = train.main(["--out", str(out), "--resume"] + common)
+    assert LOSSES(resumed) == LOSSES(straight)
+    with pytest.raises(SystemExit, match=r"written for another model configuration \(hidden_size 32 there, 64 here"):
+        train.main(["--out", str(out), "--resume"] + common + ["--hidden", "64"])
+    state = torch.load(ckpt, weights_only=True)
+    torch.save(dict(state, args=argparse.Namespace(evil=True)), ckpt)  # an object: unpickling it could run code
+    prev.unlink()
+    with pytest.raises(SystemExit, match=r"ckpt.pt: not loadable as plain tensors and values \(weights_only=True\)"):
+        train.main(["--out", str(out), "--resume"] + common)
+    torch.save({"model": {}}, ckpt)
+    with pytest.raises(SystemExit, match="not a checkpoint of this script"):
+        train.main(["--out", str(out), "--resume"] + common)
+    ckpt.unlink()
+    with pytest.raises(SystemExit, match=r"ckpt.pt: no such file$"):
+        train.main(["--out", str(out), "--resume"] + common)
+
+
+def test_sigkill_during_a_save_then_resume(tmp_path):
+    """A training process killed (SIGKILL) while it writes a checkpoint: --resume goes on from the last
+    whole checkpoint, and the losses from there equal an uninterrupted run's."""
+    common = TINY + ["--max-steps", "8", "--ckpt-interval", "2"]
+    with deterministic_algorithms():  # on a GPU, 04's dq and PyTorch's index backward use atomics otherwise
+        straight = train.main(["--out", str(tmp_path / "a")] + common)
+    out, marker = tmp_path / "b", tmp_path / "writing"
+    child = f"""
+import sys, time, torch
+sys.path.insert(0, {str(ROOT / "tests")!r})
+from conftest import load
+train, real_save, saves = load("05_train_roformer_mlm.py"), torch.save, []
+def save(obj, f):  # the third save (step 6) writes part of the file, then waits to be killed
+    saves.append(obj["step"])
+    if len(saves) == 3:
+        f.write(b"PK\\x03\\x04 part of a checkpoint")
+        f.flush()
+        open({str(marker)!r}, "w").close()
+        time.sleep(600)
+    real_save(obj, f)
+torch.save = save
+torch.use_deterministic_algorithms(True, warn_only=True)  # as deterministic_algorithms() below
+train.main({["--out", str(out)] + common!r})
+"""
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        for _ in range(3000):
+            if marker.exists() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert marker.exists(), proc.stderr.read().decode() if proc.poll() is not None else "no save started"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert (out / "ckpt.pt.tmp").exists() and torch.load(out / "ckpt.pt", weights_only=True)["step"] == 4
+    with deterministic_algorithms():
+        resumed = train.main(["--out", str(out), "--resume"] + common)
+    assert LOSSES(resumed) == LOSSES(straight)
+
+
+def test_data_that_is_not_there_is_one_line(tmp_path, capsys):
+    for data, message in ((tmp_path / "missing.txt", "no such file or folder"), (tmp_path, "no .txt files")):
+        with pytest.raises(SystemExit):
+            train.main(["--out", str(tmp_path / "o"), "--data", str(data)])
+        assert f"--data {data}: {message}" in capsys.readouterr().err
 
 
 def test_data_formats_and_bad_inputs(tmp_path):
@@ -257,7 +344,7 @@ def test_ddp_two_ranks_on_cpu(tmp_path):
                             timeout=600, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 rank(s)" in result.stdout
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["seen"] == [8, 8]  # 4 steps x batch 2, per rank
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["seen"] == [8, 8]  # 4 steps x batch 2, per rank
 
 
 def test_compare_two_paths_from_the_same_seed(tmp_path, capsys):
