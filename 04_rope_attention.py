@@ -4,19 +4,17 @@ RoPE fused into attention, forward and backward
 
 In this tutorial, you will learn about:
 
-* where the rotation belongs: RoPE is O(s) work and attention O(s^2); rotating each K tile inside
-  the attention loop repeats it s / BLOCK_M times, so K is rotated once, in a pass of its own, and
-  q in the forward's prologue; both are saved rotated, and no attention loop rotates anything;
-* a layout for the rotated tensors (the halves of each pair side by side, zero-padded to whole
-  tiles) chosen so that every loop loads one whole tile per step and computes QK^T as one dot;
-* the backward: gradients accumulate in the rotated basis and are rotated back once, in the
-  epilogues that store dk and dq, which is exact because RoPE is linear and acts on each row
-  alone; dq by float32 atomics (5 matmuls per tile pair) or, deterministic, by a second kernel (7);
-* online softmax with key-padding and causal masks, and rows that see no key at all (zeros, not
-  NaN); grouped-query attention, odd lengths, head dims that are not powers of two, partial rotary,
-  both pairings, and q, k, v packed in one tensor whose gradient is written as one;
-* registering the kernels as opaque ``torch.library.custom_op``s (``register_fake``,
-  ``register_autograd``) so that ``torch.compile(fullgraph=True)`` takes them, forward and backward;
+* where the rotation belongs: RoPE is O(s) work and attention O(s^2), so K is rotated once, in a
+  pass of its own, and q in the forward's prologue; both are saved rotated, and no attention loop
+  rotates anything;
+* a layout for the rotated tensors (the halves of each pair side by side, zero-padded) in which
+  every loop loads one whole tile per step and computes QK^T as one dot;
+* the backward: gradients accumulate in the rotated basis and are rotated back once, as dk and
+  dq are stored, exactly, because RoPE is linear and acts on each row alone; dq by float32
+  atomics, or deterministic by a second kernel;
+* online softmax with key-padding and causal masks, grouped-query attention, odd lengths, head
+  dims that are not powers of two, partial rotary, both pairings, and packed qkv;
+* opaque ``torch.library.custom_op``s, so that ``torch.compile(fullgraph=True)`` takes them whole;
 * benchmarking against 03's RoPE followed by SDPA (cuDNN, flash) and FlexAttention, eager and compiled.
 
 Run ``python 04_rope_attention.py``: it checks itself against a float32 PyTorch reference, then
@@ -30,10 +28,13 @@ benchmarks. This file imports only torch and triton: copy it alone into your pro
 # triton is imported.
 import argparse
 import datetime
+import hashlib
+import importlib.util
 import math
 import os
 import platform
 import statistics
+import sys
 import time
 from typing import List, Optional, Tuple
 
@@ -84,15 +85,12 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
     """float32 RoPE then softmax attention; the output in float32, in q's layout."""
     if tensor_format == "sbhd":
         q, k, v = (x.transpose(0, 1) for x in (q, k, v))
-    group = q.shape[2] // k.shape[2]
+    group, s = q.shape[2] // k.shape[2], q.shape[1]
     q, k = rope_reference(q, freqs, interleaved), rope_reference(k, freqs, interleaved)
     k, v = k.repeat_interleave(group, dim=2), v.float().repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * (sm_scale or q.shape[-1] ** -0.5)
-    s = q.shape[1]
     visible = torch.ones(s, s, dtype=torch.bool, device=q.device)
-    if causal:
-        visible = visible.tril()
-    visible = visible[None, None]
+    visible = (visible.tril() if causal else visible)[None, None]
     if attention_mask is not None:
         visible = visible & attention_mask.bool()[:, None, None, :]
     p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)  # empty rows: 0
@@ -103,71 +101,51 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # %%
 # Where to rotate: FLOPs and bytes
 # --------------------------------
-# Attention over b sequences of s tokens, h heads of dim d: QK^T and PV are 4*b*h*s^2*d FLOPs
-# (half when causal); the backward is about 2.5 times that, hence 3.5x for forward + backward. Its
-# inputs and outputs are O(b*s*h*d), so attention is bound by arithmetic as soon as s is a few
-# hundred, and RoPE, O(b*s*h*d) work, is a question of bytes and of where its instructions go.
-#
-# Count in units U = b*s*h*d elements (k as large as q):
-# - RoPE then attention (03 + SDPA or FlexAttention): the RoPE pass reads q, k and writes their
-#   rotated copies (4U), attention reads those and v and writes o (4U); its backward reads 5U and
-#   writes 3U, then RoPE's backward reads and writes dq and dk again (4U): 8U + 12U.
-# - Rotating inside the attention loops: 4U + 8U, but every K tile is rotated on every visit, once
-#   per block of queries: O(s^2 / BLOCK_M) rotations, next to the online softmax in the loop that
-#   sets the pace (and the rotation's instructions sit on the critical path of every tile).
-# - This file: K is rotated once by a pass of its own (2U); the forward rotates q's tile in its
-#   prologue and writes it out for the backward (1U more); attention runs on rotated tiles (4U).
-#   The backward reads the saved rotated q and k (no rotation in its loops either) and rotates dk
-#   and dq back as it stores them (8U): 7U + 8U in all, and the loops are plain FlashAttention.
-# At 05's shape, (32, 12, 512, 64) in bf16, U is 25 MB: a few microseconds each at H100/H200
-# bandwidth, against ~130 us of attention. The rotation pass takes the sines and cosines of the
-# angles once per block of positions, uses them for every head, and writes them to a float32
-# table [s, 4 * HALF] that the other kernels read: libdevice's sin and cos, evaluated per element
-# of the q tile in the forward's prologue, cost about as much as the whole loop at s = 512 (and a
-# 32-byte stack frame for their slow path), so the forward took 184 us there instead of 66.
-#
-# Measured, in one run each on an H100 and an H200 (results/04_rope_attention_ab.log): rotating
-# once takes 5-14% off forward + backward from s = 1024 on, and 3-18% off the forward from s = 2048
-# on (the most at d = 128). At s = 512 the in-loop kernel's forward is still faster, 54 against
-# 64-66 us at (16, 12, 512, 64), and its forward + backward by 4-7%: there the O(s) work (the pass,
-# the prologue's rotation, rq's store) is a large share of a short loop. This file keeps one design.
-# Rotating q in the pass as well (the forward then loads rq like rk) was 4-6% slower in the forward
-# at s = 512 and 3-6% faster from s = 1024, forward + backward within 1% (H100): not kept.
-# Rotating in packed bf16x2 arithmetic (inline PTX), which paid 4-8% when the rotation sat in the
-# loop, no longer pays in an O(s) pass bound by memory, and is gone.
+# QK^T and PV are 4*b*h*s^2*d FLOPs (half when causal); the backward is about 2.5 times that.
+# Inputs and outputs are O(b*s*h*d), so attention is bound by arithmetic from a few hundred
+# tokens on, and RoPE, O(b*s*h*d) work, is a question of bytes and of where its instructions go.
+# In units U = b*s*h*d elements (k as large as q):
+# - RoPE then attention (03 + SDPA or FlexAttention): RoPE reads q, k and writes rotated copies
+#   (4U), attention reads them and v and writes o (4U); the backward reads 5U and writes 3U, then
+#   RoPE's backward reads and writes dq and dk (4U): 8U + 12U.
+# - Rotating K inside the attention loop saves those bytes but rotates every K tile once per
+#   block of queries, O(s^2 / BLOCK_M) rotations on the loop that sets the pace.
+# - Here: one pass rotates K (2U); the forward rotates its q tile in the prologue and, when a
+#   backward will run, writes it out (1U); attention reads 4U. The backward reads the saved rq and
+#   rk and rotates dk and dq back as it stores them (8U): 7U + 8U, and every loop is plain
+#   FlashAttention. results/04_rope_attention_<gpu>.md has the measured times.
+# The pass takes cos and sin once per position for all heads and writes them to a float32 table
+# [s, 4 * HALF] that the other kernels read: libdevice's sin and cos evaluated per element in the
+# forward's prologue cost about as much as the whole loop at s = 512. The pass loads BLOCK_S
+# positions of all heads as one tile: a loop over heads would wait on memory once per head.
 #
 # The rotated layout
 # ------------------
-# QK^T sums over channels, so q and k may hold their channels in any order they share. The saved
-# rotated tensors rq [b, h, s, W] and rk [b, h_kv, s, W] hold, per row, the a members of the d2/2
-# pairs (rotate-half: channels i; interleaved: 2i), zero-padded to a power of two HALF, then the b
-# members likewise, then the d - d2 channels that are not rotated: W = 2 * HALF + d - d2. Every
-# loop then loads a K or Q tile as one contiguous [rows, 2 * HALF] block (no channel mask, no
-# split), and QK^T is one dot (plus one for the pass-through channels under partial rotary). The
-# zero padding matters: rk is stored whole, so its pad lanes must be 0, not leftover memory.
-#
-# Rounding: q and k are rotated in float32 and rounded once to their dtype, as 03 rounds them; the
-# scores, the softmax and the accumulators are float32.
+# QK^T sums over channels, so q and k may hold their channels in any order they share. rq
+# [b, h, s, W] and rk [b, h_kv, s, W] hold, per row, the a members of the d2/2 pairs (rotate-half:
+# channel i; interleaved: 2i), zero-padded to a power of two HALF, then the b members likewise,
+# then the d - d2 channels that are not rotated: W = 2 * HALF + d - d2. Every loop loads a tile as
+# one contiguous [rows, 2 * HALF] block with no channel mask, and QK^T is one dot (plus one for
+# the pass-through channels). rk is stored whole, so its pad lanes must be written as 0. q and k
+# are rotated in float32 and rounded once to their dtype, as 03 rounds them.
 #
 # The backward
 # ------------
-# S = scale * Rq Rk^T, where Rq is q with every row rotated by its position's angles. Given dS,
-# d(Rq) = scale * dS Rk and d(Rk) = scale * dS^T Rq accumulate over the tiles in the rotated
-# basis. Each row's rotation is linear and depends only on that row's position, so dq = R^T d(Rq)
-# row by row: the transposed rotation (the sines trade halves and change sign), applied once to
-# each finished tile, exactly.
+# S = scale * Rq Rk^T, Rq being q with each row rotated by its position's angles. Given dS,
+# d(Rq) = scale * dS Rk and d(Rk) = scale * dS^T Rq accumulate in the rotated basis. Each row's
+# rotation is linear and depends only on its position, so dq = R^T d(Rq) row by row: the
+# transposed rotation (the sines trade halves and change sign), applied once per finished tile.
 #
 # One program per block of keys loops over the query tiles: it recomputes P^T = exp(S^T - lse)
 # and dP^T = V dO^T, and accumulates dV += P^T dO and d(Rk) += dS^T Rq in registers. dQ needs the
-# opposite loop; recomputing P and dP in a second kernel costs 7 matmuls per tile pair instead of
-# 5, so by default each key block adds its share dS Rk into a float32 d(Rq) buffer with atomic
-# adds, as FlashAttention 2 does, and the rotation pass rotates that back and casts it. Float
-# atomics land in no fixed order: dq can differ in its last bits from run to run. Under
-# torch.use_deterministic_algorithms(True) the backward takes the second-kernel route instead.
+# opposite loop; a second kernel that recomputes P and dP costs 7 matmuls per tile pair instead of
+# 5, so by default each key block adds dS Rk into a float32 d(Rq) buffer with atomic adds, as
+# FlashAttention 2 does, and the pass rotates it back and casts it. Float atomics land in no fixed
+# order (dq's last bits vary between runs); under torch.use_deterministic_algorithms(True) the
+# backward takes the second-kernel route.
 #
-# Offsets: a head's base pointer is computed in int64 once; offsets within a head (position * row
-# stride) are int32, which saves registers next to the accumulators, unless a tensor's rows within
-# one head could span 2^31 elements (WIDE).
+# Offsets: a head's base pointer is int64; offsets within a head are int32 (fewer registers next
+# to the accumulators) unless a head's rows could span 2^31 elements (WIDE).
 
 # %%
 # The kernels
@@ -178,9 +156,7 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 def _positions(start, BLOCK: tl.constexpr, WIDE: tl.constexpr):
     """Positions start ... start + BLOCK - 1 as int32, or int64 when offsets could pass 2^31 (WIDE)."""
     pos = start + tl.arange(0, BLOCK)
-    if WIDE:
-        pos = pos.to(tl.int64)
-    return pos
+    return pos.to(tl.int64) if WIDE else pos
 
 
 @triton.jit
@@ -201,18 +177,8 @@ def _pairs(half, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
-def _angles(freqs_ptr, stride_fs, stride_fd, pos, rows_ok, half, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """cos and sin of the a and b angles of positions `pos`: float32 [len(pos), HALF] each."""
-    a, b, lanes = _pairs(half, HALF, INTERLEAVED)
-    rows = freqs_ptr + pos[:, None] * stride_fs
-    f_a = tl.load(rows + a * stride_fd, mask=rows_ok & lanes, other=0.0)
-    f_b = tl.load(rows + b * stride_fd, mask=rows_ok & lanes, other=0.0)
-    return tl.cos(f_a), tl.sin(f_a), tl.cos(f_b), tl.sin(f_b)
-
-
-@triton.jit
 def _trig(trig_ptr, pos, rows_ok, HALF: tl.constexpr):
-    """The same four tiles, read from the table [s, 4 * HALF] (cos_a, sin_a, cos_b, sin_b) the K pass wrote."""
+    """cos and sin of the a and b angles of positions `pos`, [len(pos), HALF] each, from the table the pass wrote."""
     rows = trig_ptr + pos[:, None] * (4 * HALF) + tl.arange(0, HALF)[None, :]
     return (tl.load(rows, mask=rows_ok, other=0.0), tl.load(rows + HALF, mask=rows_ok, other=0.0),
             tl.load(rows + 2 * HALF, mask=rows_ok, other=0.0), tl.load(rows + 3 * HALF, mask=rows_ok, other=0.0))
@@ -229,23 +195,11 @@ def _load_rotated(rows, stride_d, rows_ok, cos_a, sin_a, cos_b, sin_b, half, HAL
 
 
 @triton.jit
-def _halves_side_by_side(x_a, x_b):
-    """[rows, HALF] twice -> one [rows, 2 * HALF] tile, a0 a1 ... b0 b1 ... (joined in registers)."""
-    return tl.reshape(tl.permute(tl.join(x_a, x_b), (0, 2, 1)), (x_a.shape[0], 2 * x_a.shape[1]))
-
-
-@triton.jit
-def _halves_apart(x):
-    """The inverse of _halves_side_by_side: (x_a, x_b)."""
-    return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
-
-
-@triton.jit
 def _store_gradient(rows, stride_d, rows_ok, g_r, g_p, cos_a, sin_a, cos_b, sin_b, half, n_pass, HALF: tl.constexpr,
                     PASS: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr):
     """Store a gradient held in the rotated layout (g_r: [rows, 2 * HALF], the halves side by side;
     g_p: the pass-through channels) in the tensor's own basis, layout and dtype: R^T g, then g_p."""
-    g_a, g_b = _halves_apart(g_r)
+    g_a, g_b = tl.split(tl.permute(tl.reshape(g_r, (g_r.shape[0], 2, HALF)), (0, 2, 1)))
     a, b, lanes = _pairs(half, HALF, INTERLEAVED)
     dtype = rows.dtype.element_ty
     tl.store(rows + a * stride_d, (g_a * cos_a + g_b * sin_b).to(dtype), mask=rows_ok & lanes)
@@ -256,45 +210,53 @@ def _store_gradient(rows, stride_d, rows_ok, g_r, g_p, cos_a, sin_a, cos_b, sin_
 
 
 @triton.jit
+def _per_head(t, HEADS: tl.constexpr):
+    """[BLOCK_S, HALF] -> [BLOCK_S * HEADS, HALF]: each position's row repeated for HEADS heads."""
+    return tl.reshape(tl.broadcast_to(t[:, None, :], (t.shape[0], HEADS, t.shape[1])), (t.shape[0] * HEADS, t.shape[1]))
+
+
+@triton.jit
 def rope_pass_kernel(x_ptr, y_ptr, freqs_ptr, trig_ptr, scale, seqlen, n_heads, half, n_pass,
                      stride_xb, stride_xs, stride_xh, stride_xd, stride_yb, stride_ys, stride_yh, stride_yd,
-                     stride_fs, stride_fd, BLOCK_S: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
-                     INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, TO_ROTATED: tl.constexpr):
-    """BLOCK_S positions of one sequence, every head. TO_ROTATED: y = R x, from x's own layout into
-    the rotated layout (k to rk); the programs of sequence 0 also write the angles' cos and sin to
-    the table that the other kernels read. Else y = scale * R^T x, from the rotated layout back (the
-    float32 dq sum to dq). Either way cos and sin are taken once for all the heads."""
-    pid_s, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    pos = (pid_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
-    ok = (pos < seqlen)[:, None]
+                     stride_fs, stride_fd, BLOCK_S: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr,
+                     PASS: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, TO_ROTATED: tl.constexpr):
+    """BLOCK_S positions x HEADS heads of one sequence, one tile of BLOCK_S * HEADS rows. TO_ROTATED:
+    y = R x, from x's own layout into the rotated one (k to rk), with cos and sin taken once per
+    position; the programs of sequence 0 write them to the table the other kernels read. Else
+    y = scale * R^T x, from the rotated layout back (the float32 dq sum to dq)."""
+    pid_s, b, pid_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    r = tl.arange(0, BLOCK_S * HEADS)
+    pos, head = (pid_s * BLOCK_S + r // HEADS).to(tl.int64), pid_h * HEADS + r % HEADS
+    ok = ((pos < seqlen) & (head < n_heads))[:, None]
+    i, c = tl.arange(0, HALF)[None, :], tl.arange(0, PASS)[None, :]
+    x_rows = x_ptr + b * stride_xb + pos[:, None] * stride_xs + head[:, None] * stride_xh
+    y_rows = y_ptr + b * stride_yb + pos[:, None] * stride_ys + head[:, None] * stride_yh
     if TO_ROTATED:
-        cos_a, sin_a, cos_b, sin_b = _angles(freqs_ptr, stride_fs, stride_fd, pos, ok, half, HALF, INTERLEAVED)
-        if b == 0:
-            rows = trig_ptr + pos[:, None] * (4 * HALF) + tl.arange(0, HALF)[None, :]
-            tl.store(rows, cos_a, mask=ok)
-            tl.store(rows + HALF, sin_a, mask=ok)
-            tl.store(rows + 2 * HALF, cos_b, mask=ok)
-            tl.store(rows + 3 * HALF, sin_b, mask=ok)
+        pos_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+        ok_s = (pos_s < seqlen)[:, None]
+        a, b_, lanes = _pairs(half, HALF, INTERLEAVED)
+        f_a = tl.load(freqs_ptr + pos_s[:, None] * stride_fs + a * stride_fd, mask=ok_s & lanes, other=0.0)
+        f_b = tl.load(freqs_ptr + pos_s[:, None] * stride_fs + b_ * stride_fd, mask=ok_s & lanes, other=0.0)
+        cos_a, sin_a, cos_b, sin_b = tl.cos(f_a), tl.sin(f_a), tl.cos(f_b), tl.sin(f_b)
+        if (b == 0) & (pid_h == 0):
+            table = trig_ptr + pos_s[:, None] * (4 * HALF) + i
+            tl.store(table, cos_a, mask=ok_s)
+            tl.store(table + HALF, sin_a, mask=ok_s)
+            tl.store(table + 2 * HALF, cos_b, mask=ok_s)
+            tl.store(table + 3 * HALF, sin_b, mask=ok_s)
+        y_a, y_b = _load_rotated(x_rows, stride_xd, ok, _per_head(cos_a, HEADS), _per_head(sin_a, HEADS),
+                                 _per_head(cos_b, HEADS), _per_head(sin_b, HEADS), half, HALF, INTERLEAVED)
+        tl.store(y_rows + i * stride_yd, y_a.to(y_ptr.dtype.element_ty), mask=ok)  # all lanes: pads are 0
+        tl.store(y_rows + (HALF + i) * stride_yd, y_b.to(y_ptr.dtype.element_ty), mask=ok)
+        if HAS_PASS:
+            x_p = tl.load(x_rows + (2 * half + c) * stride_xd, mask=ok & (c < n_pass), other=0.0)
+            tl.store(y_rows + (2 * HALF + c) * stride_yd, x_p, mask=ok & (c < n_pass))
     else:
         cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, pos, ok, HALF)
-    i, j, c = tl.arange(0, HALF)[None, :], tl.arange(0, 2 * HALF)[None, :], tl.arange(0, PASS)[None, :]
-    x_head, y_head = x_ptr + b * stride_xb, y_ptr + b * stride_yb
-    for _ in range(n_heads):
-        x_rows, y_rows = x_head + pos[:, None] * stride_xs, y_head + pos[:, None] * stride_ys
-        if TO_ROTATED:
-            y_a, y_b = _load_rotated(x_rows, stride_xd, ok, cos_a, sin_a, cos_b, sin_b, half, HALF, INTERLEAVED)
-            tl.store(y_rows + i * stride_yd, y_a.to(y_ptr.dtype.element_ty), mask=ok)  # all lanes: pads are 0
-            tl.store(y_rows + (HALF + i) * stride_yd, y_b.to(y_ptr.dtype.element_ty), mask=ok)
-            if HAS_PASS:
-                x_p = tl.load(x_rows + (2 * half + c) * stride_xd, mask=ok & (c < n_pass), other=0.0)
-                tl.store(y_rows + (2 * HALF + c) * stride_yd, x_p, mask=ok & (c < n_pass))
-        else:
-            g_r = tl.load(x_rows + j * stride_xd, mask=ok, other=0.0) * scale
-            g_p = tl.load(x_rows + (2 * HALF + c) * stride_xd, mask=ok & (c < n_pass), other=0.0) * scale
-            _store_gradient(y_rows, stride_yd, ok, g_r, g_p, cos_a, sin_a, cos_b, sin_b, half, n_pass, HALF, PASS,
-                            INTERLEAVED, HAS_PASS)
-        x_head += stride_xh
-        y_head += stride_yh
+        g_r = tl.load(x_rows + tl.arange(0, 2 * HALF)[None, :] * stride_xd, mask=ok, other=0.0) * scale
+        g_p = tl.load(x_rows + (2 * HALF + c) * stride_xd, mask=ok & (c < n_pass), other=0.0) * scale
+        _store_gradient(y_rows, stride_yd, ok, g_r, g_p, cos_a, sin_a, cos_b, sin_b, half, n_pass, HALF, PASS,
+                        INTERLEAVED, HAS_PASS)
 
 
 @triton.jit
@@ -328,15 +290,12 @@ def rope_attn_fwd_kernel(
     m_ok = (offs_m < seqlen)[:, None]
     j, c, d = tl.arange(0, 2 * HALF)[None, :], tl.arange(0, PASS)[None, :], tl.arange(0, D)[None, :]
     head_dim = 2 * half + n_pass
-    # prologue: this block's q rows, rotated once and rounded to q's dtype; written out for the backward
+    # prologue: this block's q rows rotated, the halves side by side, rounded to q's dtype, saved for the backward
     q_rows = q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
     cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, offs_m, m_ok, HALF)
     q_a, q_b = _load_rotated(q_rows, stride_qd, m_ok, cos_a, sin_a, cos_b, sin_b, half, HALF, INTERLEAVED)
-    q_r = _halves_side_by_side(q_a.to(q_ptr.dtype.element_ty), q_b.to(q_ptr.dtype.element_ty))
-    if HAS_PASS:
-        q_p = tl.load(q_rows + (2 * half + c) * stride_qd, mask=m_ok & (c < n_pass), other=0.0)
-    else:
-        q_p = tl.zeros((BLOCK_M, PASS), q_ptr.dtype.element_ty)
+    q_r = tl.reshape(tl.permute(tl.join(q_a, q_b), (0, 2, 1)), (BLOCK_M, 2 * HALF)).to(q_ptr.dtype.element_ty)
+    q_p = tl.load(q_rows + (2 * half + c) * stride_qd, mask=m_ok & (c < n_pass), other=0.0)  # 0s without HAS_PASS
     if SAVE_RQ:
         rq_rows = rq_ptr + bh.to(tl.int64) * seqlen * W + offs_m[:, None] * W
         tl.store(rq_rows + j, q_r, mask=m_ok)
@@ -551,10 +510,9 @@ def rope_attn_bwd_dq_kernel(
 # Launching the kernels
 # ---------------------
 # Tile configs (BLOCK_M, BLOCK_N, warps, stages) per kernel and shape class, from a per-shape sweep
-# on an H100 (results/04_rope_attention_sweep.log). Short sequences at d = 64 want small query
-# blocks (more programs to fill the GPU; at s = 512, 64 x 64 tiles beat 128 x 64 by 10%), longer
-# ones 128 x 128; at d = 128 causality favours the smaller tiles. "dq" is the deterministic route.
-
+# on an H100 (results/04_rope_attention_sweep.log): at d = 64 short sequences want small query
+# blocks (more programs to fill the GPU), longer ones 128 x 128; at d = 128 causality favours the
+# smaller tiles. "dq" is the deterministic route. The interpreter runs 32 x 32 tiles.
 CONFIGS = {
     ("fwd", "d<=64, s<=1024"): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
     ("fwd", "d<=64, s>1024"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3),
@@ -565,10 +523,8 @@ CONFIGS = {
     ("dq", "d<=64"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
     ("dq", "d>64"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
 }
-PASS_CONFIG = dict(BLOCK_S=32, num_warps=8)
-# Row offsets within one head are int32 in the kernels unless one could reach this many elements;
-# then WIDE makes them int64. (A test lowers it to run that path.)
-INT32_LIMIT = 2**31
+PASS_CONFIG = dict(ROWS=64, num_warps=4)  # rows (positions x heads) per program of the rotation pass
+INT32_LIMIT = 2**31  # offsets within a head that could reach this are int64 (WIDE); a test lowers it
 
 
 def _config(kernel, head_dim, seqlen=0, causal=False):
@@ -589,35 +545,34 @@ def _dims(q, k, rot_dim, tensor_format):
     half, n_pass = rot_dim // 2, q.shape[3] - rot_dim
     HALF = _pow2(half, 8)  # 2 * HALF >= 16: a dot's smallest K
     return dict(batch=batch, seqlen=seqlen, n_heads=q.shape[2], n_kv_heads=k.shape[2], head_dim=q.shape[3],
-                half=half, n_pass=n_pass, HALF=HALF, PASS=_pow2(n_pass, 16), W=2 * HALF + n_pass)
+                half=half, n_pass=n_pass, HALF=HALF, PASS=_pow2(n_pass, 16), W=2 * HALF + n_pass,
+                D=_pow2(q.shape[3], 16))
 
 
-def _bshd_strides(x, tensor_format):
-    s = x.stride()
-    return (s[1], s[0], s[2], s[3]) if tensor_format == "sbhd" else s
-
-
-def _rotated_strides(x):  # [b, h, s, W] in (b, s, h, d) order
-    return x.stride(0), x.stride(2), x.stride(1), x.stride(3)
+def _strides(x, tensor_format):
+    """x's strides in (b, s, h, d) order; "rotated" is the [b, h, s, W] layout of rq, rk and the dq sum."""
+    st = x.stride()
+    return {"sbhd": (st[1], st[0], st[2], st[3]), "rotated": (st[0], st[2], st[1], st[3])}.get(tensor_format, st)
 
 
 def _wide(dims, tensor_format, *tensors):
     """WIDE: could a position's offset within one head (user layouts, or the rotated one) reach INT32_LIMIT?"""
     ends = [(dims["seqlen"] - 1) * abs(st[1]) + (dims["head_dim"] - 1) * abs(st[3])
-            for st in (_bshd_strides(x, tensor_format) for x in tensors)]
+            for st in (_strides(x, tensor_format) for x in tensors)]
     return max(ends + [dims["seqlen"] * dims["W"]]) >= INT32_LIMIT
 
 
 def _rope_pass(x, y, freqs, trig, scale, dims, interleaved, tensor_format, to_rotated):
-    """k -> rk and the cos/sin table (to_rotated), or the float32 dq sum -> dq (scale * R^T); see
-    rope_pass_kernel. freqs is read only to_rotated."""
-    x_strides = _bshd_strides(x, tensor_format) if to_rotated else _rotated_strides(x)
-    y_strides = _rotated_strides(y) if to_rotated else _bshd_strides(y, tensor_format)
+    """k -> rk and the cos/sin table (to_rotated; freqs read), or the float32 dq sum -> dq (scale * R^T)."""
+    x_format, y_format = (tensor_format, "rotated") if to_rotated else ("rotated", tensor_format)
     n_heads = y.shape[1] if to_rotated else x.shape[1]
-    rope_pass_kernel[(triton.cdiv(dims["seqlen"], PASS_CONFIG["BLOCK_S"]), dims["batch"])](
-        x, y, freqs, trig, scale, dims["seqlen"], n_heads, dims["half"], dims["n_pass"], *x_strides, *y_strides,
-        freqs.stride(0), freqs.stride(-1), HALF=dims["HALF"], PASS=dims["PASS"], INTERLEAVED=interleaved,
-        HAS_PASS=dims["n_pass"] > 0, TO_ROTATED=to_rotated, **PASS_CONFIG)
+    heads = min(_pow2(n_heads, 1), PASS_CONFIG["ROWS"])
+    rope_pass_kernel[(triton.cdiv(dims["seqlen"], PASS_CONFIG["ROWS"] // heads), dims["batch"],
+                      triton.cdiv(n_heads, heads))](
+        x, y, freqs, trig, scale, dims["seqlen"], n_heads, dims["half"], dims["n_pass"], *_strides(x, x_format),
+        *_strides(y, y_format), freqs.stride(0), freqs.stride(-1), BLOCK_S=PASS_CONFIG["ROWS"] // heads, HEADS=heads,
+        HALF=dims["HALF"], PASS=dims["PASS"], INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0,
+        TO_ROTATED=to_rotated, num_warps=PASS_CONFIG["num_warps"])
 
 
 def _forward_outputs(q, k, freqs, tensor_format, save_rotated):
@@ -635,31 +590,27 @@ def _forward(q, k, v, freqs, key_mask, sm_scale, causal, interleaved, tensor_for
     o, lse, rq, rk, trig = _forward_outputs(q, k, freqs, tensor_format, save_rotated)
     _rope_pass(k, rk, freqs, trig, 1.0, dims, interleaved, tensor_format, to_rotated=True)
     cfg = _config("fwd", dims["head_dim"], dims["seqlen"], causal)
-    D = _pow2(dims["head_dim"], 16)
     rope_attn_fwd_kernel[(triton.cdiv(dims["seqlen"], cfg["BLOCK_M"]), dims["batch"] * dims["n_heads"])](
         q, rk, v, o, lse, rq, trig, key_mask if key_mask is not None else lse, sm_scale * LOG2E, dims["seqlen"],
         dims["n_heads"], dims["n_heads"] // dims["n_kv_heads"], dims["half"], dims["n_pass"],
-        *(s for x in (q, v, o) for s in _bshd_strides(x, tensor_format)), HALF=dims["HALF"], PASS=dims["PASS"], D=D, W=dims["W"], INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0,
-        CAUSAL=causal, HAS_MASK=key_mask is not None, EVEN_N=dims["seqlen"] % cfg["BLOCK_N"] == 0,
-        EVEN_D=D == dims["head_dim"], SAVE_RQ=save_rotated, WIDE=_wide(dims, tensor_format, q, v, o), **cfg)
+        *(st for x in (q, v, o) for st in _strides(x, tensor_format)), HALF=dims["HALF"], PASS=dims["PASS"],
+        D=dims["D"], W=dims["W"], INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0, CAUSAL=causal,
+        HAS_MASK=key_mask is not None, EVEN_N=dims["seqlen"] % cfg["BLOCK_N"] == 0, EVEN_D=dims["D"] == dims["head_dim"],
+        SAVE_RQ=save_rotated, WIDE=_wide(dims, tensor_format, q, v, o), **cfg)
     return o, lse, rq, rk, trig
 
 
 def _backward(do, rq, rk, v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, tensor_format, dq, dk, dv):
     """Write the gradients into dq, dk and dv (any strides: views of one tensor work)."""
     dims = _dims(dq, dk, rot_dim, tensor_format)
-    b, s, h, h_kv, w = (dims[key] for key in ("batch", "seqlen", "n_heads", "n_kv_heads", "W"))
-    strides = lambda *xs: [st for x in xs for st in _bshd_strides(x, tensor_format)]  # noqa: E731
-    D = _pow2(dims["head_dim"], 16)
+    b, s, h, h_kv, w, D = (dims[key] for key in ("batch", "seqlen", "n_heads", "n_kv_heads", "W", "D"))
+    strides = lambda *xs: [st for x in xs for st in _strides(x, tensor_format)]  # noqa: E731
     common = dict(HALF=dims["HALF"], PASS=dims["PASS"], D=D, W=w, INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0,
                   CAUSAL=causal, HAS_MASK=key_mask is not None, EVEN_D=D == dims["head_dim"],
                   WIDE=_wide(dims, tensor_format, v, do, dq, dk, dv))
     scalars = (sm_scale * LOG2E, s, h, h // h_kv, dims["half"], dims["n_pass"])
     key_mask = key_mask if key_mask is not None else lse  # (unused without HAS_MASK)
-    # dQ: added up by the dkdv kernel with float32 atomics (5 matmuls a tile pair, as in FlashAttention
-    # 2), or, when torch.use_deterministic_algorithms(True) asks for a fixed order of sums, by a second
-    # kernel that recomputes P and dP over the keys (7 matmuls).
-    atomic_dq = not torch.are_deterministic_algorithms_enabled()
+    atomic_dq = not torch.are_deterministic_algorithms_enabled()  # else the dq kernel: a fixed order of sums
     dq_acc = torch.empty(b, h, s, w, device=dq.device, dtype=torch.float32) if atomic_dq else lse
     delta = torch.empty_like(lse)
     rope_attn_bwd_delta_kernel[(triton.cdiv(s, 64), b * h)](
@@ -667,31 +618,31 @@ def _backward(do, rq, rk, v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, 
         ZERO_DQ=atomic_dq)
     cfg = _config("dkdv", dims["head_dim"])
     rope_attn_bwd_dkdv_kernel[(triton.cdiv(s, cfg["BLOCK_N"]), b * h_kv)](
-        rq, rk, v, do, dk, dv, dq_acc, lse, delta, trig, key_mask, *scalars, *strides(v, do, dk, dv), EVEN_M=s % cfg["BLOCK_M"] == 0, EVEN_N=s % cfg["BLOCK_N"] == 0,
-        ATOMIC_DQ=atomic_dq, **common, **cfg)
+        rq, rk, v, do, dk, dv, dq_acc, lse, delta, trig, key_mask, *scalars, *strides(v, do, dk, dv),
+        EVEN_M=s % cfg["BLOCK_M"] == 0, EVEN_N=s % cfg["BLOCK_N"] == 0, ATOMIC_DQ=atomic_dq, **common, **cfg)
     if atomic_dq:
         _rope_pass(dq_acc, dq, trig, trig, sm_scale, dims, interleaved, tensor_format, to_rotated=False)
         return
     cfg = _config("dq", dims["head_dim"])
     rope_attn_bwd_dq_kernel[(triton.cdiv(s, cfg["BLOCK_M"]), b * h)](
-        rq, rk, v, do, dq, lse, delta, trig, key_mask, *scalars, *strides(v, do, dq), EVEN_N=s % cfg["BLOCK_N"] == 0, **common, **cfg)
+        rq, rk, v, do, dq, lse, delta, trig, key_mask, *scalars, *strides(v, do, dq), EVEN_N=s % cfg["BLOCK_N"] == 0,
+        **common, **cfg)
 
 
 # %%
 # The operators
 # -------------
 # torch.compile cannot trace into a Triton launch that it does not know. Registered as a
-# torch.library.custom_op, the launch becomes one opaque node of the graph: register_fake tells
-# the compiler the outputs' shapes without running anything, and register_autograd gives it the
-# backward, itself another custom op. Inductor compiles the code around them (the mask's cast,
-# the projections, LayerNorm ...) and calls our kernels as they are. Everything inside an op may
-# read tensors freely; everything outside it is traced, so the argument checks look only at shapes,
-# dtypes and devices, never at values (a value check would need a host sync that breaks the graph).
+# torch.library.custom_op, the launch becomes one opaque node of the graph: register_fake gives
+# the compiler the outputs' shapes without running anything, and register_autograd the backward,
+# itself another custom op. Inductor compiles the code around them and calls our kernels as they
+# are. Outside the ops everything is traced, so the argument checks look only at shapes, dtypes
+# and devices, never at values (a value check would need a host sync that breaks the graph).
 #
-# The forward op takes its q, k, v as a list: [q, k, v], or [qkv] with the three packed as
-# [.., 3, h, d], as one QKV projection makes them. For the packed form the backward op returns one
-# gradient of qkv's shape, into whose three slices the kernels write dq, dk and dv; given three
-# views instead, autograd would stack three gradients into qkv's, a copy of all of them.
+# The forward op takes [q, k, v], or [qkv] packed as [.., 3, h, d], as one QKV projection makes
+# them. For the packed form the backward op returns one gradient of qkv's shape, into whose three
+# slices the kernels write dq, dk and dv; given three views instead, autograd would stack three
+# gradients into qkv's, a copy of all of them.
 
 Tensor = torch.Tensor
 
@@ -714,15 +665,14 @@ def _gradients(qkv_or_v, rq, tensor_format, packed):
     """Empty gradients: [dqkv] for packed qkv, else [dq, dk, dv] (dq's shape from rq [b, h, s, W])."""
     if packed:
         return [qkv_or_v.new_empty(qkv_or_v.shape)]
-    v = qkv_or_v
-    b, h, s = rq.shape[:3]
+    v, (b, h, s) = qkv_or_v, rq.shape[:3]
     dq = v.new_empty((s, b, h, v.shape[3]) if tensor_format == "sbhd" else (b, s, h, v.shape[3]))
     return [dq, v.new_empty(v.shape), v.new_empty(v.shape)]
 
 
 def _backward_impl(do: Tensor, rq: Tensor, rk: Tensor, qkv_or_v: Tensor, o: Tensor, lse: Tensor, trig: Tensor,
-                   key_mask: Optional[Tensor], rot_dim: int, sm_scale: float, causal: bool, interleaved: bool, tensor_format: str,
-                   packed: bool) -> List[Tensor]:
+                   key_mask: Optional[Tensor], rot_dim: int, sm_scale: float, causal: bool, interleaved: bool,
+                   tensor_format: str, packed: bool) -> List[Tensor]:
     grads = _gradients(qkv_or_v, rq, tensor_format, packed)
     v = qkv_or_v.unbind(2)[2] if packed else qkv_or_v
     _backward(do, rq, rk, v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, tensor_format,
@@ -730,8 +680,8 @@ def _backward_impl(do: Tensor, rq: Tensor, rk: Tensor, qkv_or_v: Tensor, o: Tens
     return grads
 
 
-def _backward_fake(do, rq, rk, qkv_or_v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, tensor_format,
-                   packed):
+def _backward_fake(do, rq, rk, qkv_or_v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved,
+                   tensor_format, packed):
     return _gradients(qkv_or_v, rq, tensor_format, packed)
 
 
@@ -752,7 +702,8 @@ backward_op = _custom_op("backward", _backward_impl, _backward_fake)
 def _save_for_backward(ctx, inputs, output):
     qkv, freqs, key_mask, sm_scale, causal, interleaved, tensor_format, _ = inputs
     o, lse, rq, rk, trig = output
-    ctx.mark_non_differentiable(lse, rq, rk, trig)  # only o carries a gradient
+    ctx.mark_non_differentiable(lse, rq, rk, trig)  # only o carries a gradient, and autograd would
+    ctx.set_materialize_grads(False)  # otherwise fill zero gradients as large as rq and rk for the others
     # v, or for packed qkv the whole of it (v is a view of it); q and k are not needed, rq and rk are
     ctx.save_for_backward(rq, rk, qkv[2] if len(qkv) == 3 else qkv[0], o, lse, trig, key_mask)
     ctx.args = freqs.shape[3], sm_scale, causal, interleaved, tensor_format, len(qkv) == 1
@@ -883,18 +834,16 @@ def self_check():
 
     def assert_matches_reference(out, reference, inputs):
         ref, dout = reference(), torch.randn_like(out)
-        tol = dict(atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(out.float(), ref, **tol)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
         for name, g, r in zip(("dq", "dk", "dv") if len(inputs) == 3 else ("dqkv",),
                               torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout.float())):
-            torch.testing.assert_close(g.float(), r.float(), **tol, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(g.float(), r.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
 
     compiled = torch.compile(rope_attention, fullgraph=True, backend="inductor" if DEVICE.type == "cuda" else "aot_eager")
     for causal in (False, True):
         for interleaved in (False, True):
             q = torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True)
-            k = torch.randn(b, s, h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True)
-            v = torch.randn(b, s, h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True)
+            k, v = (torch.randn(b, s, h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
             kwargs = dict(causal=causal, attention_mask=mask, interleaved=interleaved)
             reference = lambda: attention_reference(q, k, v, freqs, **kwargs)  # noqa: E731
             assert_matches_reference(rope_attention(q, k, v, freqs, **kwargs), reference, (q, k, v))
@@ -939,7 +888,6 @@ def _time_ms(fn):
 
 
 def _load_sibling(filename):
-    import importlib.util
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), filename)
     if not os.path.exists(path):
         return None
@@ -960,6 +908,7 @@ def _providers(freqs, causal, mask, rope03, b, s, dtype):
     if rope03 is None:
         return fns
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     sdpa_mask = mask.bool()[:, None, None, :] if mask is not None else None
 
     def rope_then(q, k):
@@ -967,23 +916,17 @@ def _providers(freqs, causal, mask, rope03, b, s, dtype):
         return q.transpose(1, 2), k.transpose(1, 2)
     for backend, name in ((SDPBackend.CUDNN_ATTENTION, "cuDNN"), (SDPBackend.FLASH_ATTENTION, "flash")):
         def run(q, k, v, backend=backend):
-            qr, kr = rope_then(q, k)
             with sdpa_kernel(backend):
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    qr, kr, v.transpose(1, 2), attn_mask=sdpa_mask, is_causal=causal and sdpa_mask is None)
-            return out.transpose(1, 2)
+                return torch.nn.functional.scaled_dot_product_attention(
+                    *rope_then(q, k), v.transpose(1, 2), attn_mask=sdpa_mask,
+                    is_causal=causal and sdpa_mask is None).transpose(1, 2)
         fns["03 RoPE + SDPA " + name] = run
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError as e:
-        print(f"(FlexAttention unavailable, its rows are skipped: {e})")
-        return fns
-    flex = torch.compile(flex_attention, dynamic=False)
 
     def mask_mod(b_, h_, q_idx, kv_idx):
         ok = (q_idx >= kv_idx) if causal else (q_idx >= 0)
         return ok & mask.bool()[b_, kv_idx] if mask is not None else ok
     block_mask = create_block_mask(mask_mod, b if mask is not None else None, None, s, s, device=DEVICE)
+    flex = torch.compile(flex_attention, dynamic=False)
     fns["03 RoPE + FlexAttention"] = lambda q, k, v: flex(*rope_then(q, k), v.transpose(1, 2),
                                                            block_mask=block_mask).transpose(1, 2)
     angles = freqs[:s, 0, 0][None, :, None, :]
@@ -1002,18 +945,15 @@ def measure(b, h, s, d, causal, padded, rope03, providers=None):
     """Rows of fwd and fwd+bwd timings at one shape: ours and (on a GPU) the unfused paths."""
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
     q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
-    freqs = rope_freqs(s, d, device=DEVICE)
-    mask = None
+    freqs, mask = rope_freqs(s, d, device=DEVICE), None
     if padded:  # Hugging Face style: each sequence is padded after a random length
         lengths = torch.randint(s // 2, s + 1, (b,), device=DEVICE)
         mask = torch.arange(s, device=DEVICE)[None, :] < lengths[:, None]
     fns = _providers(freqs, causal, mask, rope03, b, s, dtype)
-    if providers is not None:
-        fns = {name: fn for name, fn in fns.items() if any(p in name for p in providers)}
-    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
-    dout = torch.randn_like(q)
-    rows = []
+    flops, dout, rows = 4 * b * h * s * s * d * (0.5 if causal else 1.0), torch.randn_like(q), []
     for name, fn in fns.items():
+        if providers is not None and not any(p in name for p in providers):
+            continue
         try:
             torch.autograd.grad(fn(q, k, v), (q, k, v), dout)  # compiles, where it does
         except Exception as e:  # noqa: BLE001  (a backend that does not take this shape)
@@ -1021,10 +961,12 @@ def measure(b, h, s, d, causal, padded, rope03, providers=None):
             continue
         fwd_ms, fwd_how = _time_ms(lambda: fn(q, k, v))
         both_ms, both_how = _time_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout))
-        torch.cuda.reset_peak_memory_stats() if DEVICE.type == "cuda" else None
-        base = torch.cuda.memory_allocated() if DEVICE.type == "cuda" else 0
-        torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
-        peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20 if DEVICE.type == "cuda" else float("nan")
+        peak_mb = float("nan")
+        if DEVICE.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+            peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
         row = dict(shape=(b, h, s, d), causal=causal, padded=padded, provider=name, fwd_ms=fwd_ms,
                    both_ms=both_ms, fwd_tflops=flops / fwd_ms / 1e9, both_tflops=3.5 * flops / both_ms / 1e9,
                    peak_mb=peak_mb, timing=fwd_how if fwd_how == both_how else f"{fwd_how}/{both_how}")
@@ -1035,25 +977,17 @@ def measure(b, h, s, d, causal, padded, rope03, providers=None):
     return rows
 
 
-def matmul_tflops():
-    """The yardstick: TF/s of a bf16 [8192, 8192] @ [8192, 8192] matmul on this GPU (None on the CPU)."""
-    if DEVICE.type != "cuda":
-        return None
-    a, b = (torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
-    return 2 * 8192**3 / _time_ms(lambda: a @ b)[0] / 1e9
-
-
 def benchmark():
-    """(rows at BENCH_SHAPES, the matmul yardstick in TF/s)."""
-    on_gpu = DEVICE.type == "cuda"
-    if not on_gpu:
+    """(rows at BENCH_SHAPES, the yardstick: TF/s of a bf16 8192^3 matmul on this GPU, None on the CPU)."""
+    if DEVICE.type != "cuda":
         print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
               "show that the benchmark runs; they say nothing about speed.")
-    yardstick = matmul_tflops()
-    if yardstick:
-        print(f"yardstick: a bf16 8192^3 matmul runs at {yardstick:.0f} TF/s on this GPU")
-    rope03 = _load_sibling("03_rope_bwd.py") if on_gpu else None
-    return [r for shape in (BENCH_SHAPES if on_gpu else CPU_SHAPES) for r in measure(*shape, rope03)], yardstick
+        return [r for shape in CPU_SHAPES for r in measure(*shape, None)], None
+    a, b = (torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    yardstick = 2 * 8192**3 / _time_ms(lambda: a @ b)[0] / 1e9
+    print(f"yardstick: a bf16 8192^3 matmul runs at {yardstick:.0f} TF/s on this GPU")
+    rope03 = _load_sibling("03_rope_bwd.py")
+    return [r for shape in BENCH_SHAPES for r in measure(*shape, rope03)], yardstick
 
 
 def markdown_table(rows, yardstick):
@@ -1075,7 +1009,6 @@ def environment():
 
 def save_results(rows, yardstick, results_dir, command):
     """results/04_rope_attention_<gpu>.md (the table) and .png (the plot), <gpu> as in 'H100'."""
-    import hashlib
     os.makedirs(results_dir, exist_ok=True)
     gpu = next((w for w in torch.cuda.get_device_name().split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
     stem = os.path.join(results_dir, f"04_rope_attention_{gpu}")
@@ -1083,11 +1016,12 @@ def save_results(rows, yardstick, results_dir, command):
         md5 = hashlib.md5(f.read()).hexdigest()
     with open(stem + ".md", "w") as f:
         f.write(f"# RoPE + attention on the {gpu}: fused against RoPE then attention\n\n{environment()}; "
-                f"04_rope_attention.py md5 {md5}\n\nCommand: `{command}`. Raw log: `{os.path.basename(stem)}.log`.\n\nThe yardstick: a "
-                f"bf16 8192^3 matmul ran at {yardstick:.0f} TF/s in this run, timed the same way.\n\nbf16. TF/s count "
-                "4*b*h*s^2*d FLOPs, halved when causal, x3.5 for forward + backward. 'graph': GPU time replayed "
-                "from a CUDA graph (median of three do_bench_cudagraph(rep=40) medians); 'stream': do_bench. Peak extra "
-                f"memory: what one forward + backward allocated above the inputs.\n\n{markdown_table(rows, yardstick)}\n")
+                f"04_rope_attention.py md5 {md5}\n\nCommand: `{command}`. Raw log: `{os.path.basename(stem)}.log`."
+                f"\n\nThe yardstick: a bf16 8192^3 matmul ran at {yardstick:.0f} TF/s in this run, timed the same "
+                "way.\n\nbf16. TF/s count 4*b*h*s^2*d FLOPs, halved when causal, x3.5 for forward + backward. "
+                "'graph': GPU time replayed from a CUDA graph (median of three do_bench_cudagraph(rep=40) medians); "
+                "'stream': do_bench. Peak extra memory: what one forward + backward allocated above the inputs."
+                f"\n\n{markdown_table(rows, yardstick)}\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -1105,15 +1039,13 @@ def save_results(rows, yardstick, results_dir, command):
             ax.bar([g + n * width for g in range(len(groups))], [vals.get(g, 0) for g in groups], width, label=provider)
         ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
         ax.set_xticklabels([f"{s}\n{'causal' if c else ''}{' mask' if p else ''}" for s, c, p in groups], fontsize=7)
-        ax.set_ylabel("TF/s")
-        ax.set_title(f"RoPE + attention, {title} ({gpu}, bf16)", fontsize=9)
+        ax.set(ylabel="TF/s", title=f"RoPE + attention, {title} ({gpu}, bf16)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(stem + ".png", dpi=120)
 
 
 if __name__ == "__main__":
-    import sys
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                         help="folder for the table and plot (written only on a GPU)")
