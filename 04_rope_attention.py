@@ -113,7 +113,12 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # - Here: one pass rotates K (2U); the forward rotates its q tile in the prologue and, when a
 #   backward will run, writes it out (1U); attention reads 4U. The backward reads the saved rq and
 #   rk and rotates dk and dq back as it stores them (8U): 7U + 8U, and every loop is plain
-#   FlashAttention. results/04_rope_attention_<gpu>.md has the measured times.
+#   FlashAttention.
+# Measured against rotating each K tile in the loops (results/04_rope_attention_ab.log, an H100
+# and an H200): forward + backward is 1-8% faster at s = 512 and 8-15% from s = 1024 on; the
+# forward alone is 3-14% slower at s = 512 (the pass and the prologue are a large share of a short
+# loop), 1-6% slower at s = 1024, and 10-20% faster from s = 2048. One design is kept: the one that
+# wins wherever there is a backward, and for long sequences.
 # The pass takes cos and sin once per position for all heads and writes them to a float32 table
 # [s, 4 * HALF] that the other kernels read: libdevice's sin and cos evaluated per element in the
 # forward's prologue cost about as much as the whole loop at s = 512. The pass loads BLOCK_S
