@@ -183,15 +183,28 @@ def rotate_half_rows(x, interleaved=False):
 # is ~4.5x, and the benchmark below measures how much of it eager actually loses.
 
 
-class RotateHalf(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, interleaved):
-        ctx.interleaved = interleaved
-        return rotate_half(x, interleaved)
+# R is registered as a torch.library op, its backward R^T with it, so that torch.compile
+# (fullgraph=True) keeps the call as one opaque node instead of tracing into the launch (04 explains
+# custom ops). A fresh name is taken if this file is loaded twice in one process.
+def _register_rotate_half():
+    n = 0
+    while hasattr(torch.ops.rope_tutorial_01, f"rotate_half{n or ''}"):
+        n += 1
+    def launch(x: torch.Tensor, interleaved: bool, transpose: bool) -> torch.Tensor:
+        return rotate_half(x, interleaved, transpose)
+    op = torch.library.custom_op(f"rope_tutorial_01::rotate_half{n or ''}", launch, mutates_args=())
+    op.register_fake(lambda x, interleaved, transpose: x.new_empty(x.shape))
 
-    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.interleaved, ctx.transpose = inputs[1], inputs[2]
+
     def backward(ctx, grad_out):
-        return rotate_half(grad_out.contiguous(), ctx.interleaved, transpose=True), None
+        return op(grad_out.contiguous(), ctx.interleaved, not ctx.transpose), None, None
+    op.register_autograd(backward, setup_context=setup_context)
+    return op
+
+
+rotate_half_op = _register_rotate_half()
 
 
 def apply_rope_naive(t, freqs, tensor_format="sbhd", interleaved=False):
@@ -214,7 +227,7 @@ def apply_rope_naive(t, freqs, tensor_format="sbhd", interleaved=False):
     angles = freqs[:seqlen] if tensor_format == "sbhd" else freqs[:seqlen].transpose(0, 1)
     cos, sin = angles.cos().to(t.dtype), angles.sin().to(t.dtype)
     x = t[..., :d2]
-    y = x * cos + RotateHalf.apply(x, interleaved) * sin
+    y = x * cos + rotate_half_op(x, interleaved, False) * sin
     return y if d2 == t.shape[-1] else torch.cat((y, t[..., d2:]), dim=-1)
 
 

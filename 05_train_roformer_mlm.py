@@ -507,10 +507,18 @@ def parse_args(argv=None):
     p.add_argument("--eval-batches", type=int, default=20 if on_gpu else 2)
     p.add_argument("--ckpt-interval", type=int, default=500 if on_gpu else 10)
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model as a whole (default: on with a GPU, off on the CPU)")
     p.add_argument("--cuda-graphs", action="store_true", help="replay each encoder layer's forward and backward "
-                   "as CUDA graphs, so that Python's per-op cost no longer paces the GPU (GPU only)")
+                   "as CUDA graphs, so that Python's per-op cost no longer paces the GPU (GPU only; in place of "
+                   "--compile)")
     p.add_argument("--bench", action="store_true", help="time training steps of a BERT-base-shaped model on random "
-                   "tokens for every --attn path (and Hugging Face's RoFormer when installed), then exit")
+                   "tokens for every --attn path and Hugging Face's RoFormer (when installed), eager and compiled "
+                   "(and with --cuda-graphs, eager with graphs), then exit")
+    p.add_argument("--bench-paths", default=None, metavar="P,Q", help="--bench only these, e.g. fused,fused+compile "
+                   "(a path, then +compile or +graphs; hf is Hugging Face's model)")
+    p.add_argument("--bench-profile", action="store_true", help="--bench: also profile one step of each path and "
+                   "print its GPU time by kernel family (matmuls, our kernels, Inductor's fused kernels, the rest)")
     p.add_argument("--bench-steps", type=int, default=20 if on_gpu else 1, help="timed steps per path and round")
     p.add_argument("--bench-rounds", type=int, default=2 if on_gpu else 1,
                    help="rounds over all paths, in alternating order (clock or heat drift then hits every path alike)")
@@ -526,6 +534,10 @@ def parse_args(argv=None):
         p.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     if args.cuda_graphs and not on_gpu:
         p.error("--cuda-graphs needs a GPU (CUDA graphs); this machine has none")
+    if args.compile is None:
+        args.compile = on_gpu and not args.cuda_graphs
+    if args.compile and args.cuda_graphs and not args.bench:
+        p.error("--cuda-graphs replays eager layers and takes the place of --compile: add --no-compile")
     if args.data is not None and not os.path.exists(args.data):
         p.error(f"--data {args.data}: no such file or folder")
     if args.data is not None and os.path.isdir(args.data) and not any(
@@ -729,10 +741,12 @@ def train(args, ddp, rank, world, device):
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
     if args.cuda_graphs:  # after loading a checkpoint (the graphs read the weights in place), before DDP
         capture_cuda_graphs(model, args.batch_size, args.seq_len)
-    raw_model = model
+    raw_model = model  # saved, evaluated and checkpointed as it is: no DDP "module." or compiled "_orig_mod." prefix
     if ddp:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
                                                     gradient_as_bucket_view=True)  # no copy into buckets
+    if args.compile:
+        model = compile_model(model, device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     train_batches = batches(args.data, tokenizer, args.seq_len, args.batch_size, rank, world, start=seen[rank])
     eval_batches = list(itertools.islice(batches(args.data, tokenizer, args.seq_len, args.batch_size, 0, 1,
@@ -742,7 +756,9 @@ def train(args, ddp, rank, world, device):
     if master:
         print(f"RoFormer MLM: {n_params / 1e6:.2f}M parameters, attn={args.attn}, {world} rank(s), device {device}, "
               f"seq_len {args.seq_len}, batch {args.batch_size} x {args.grad_accum} accumulation x {world}"
-              + (", encoder layers as CUDA graphs" if args.cuda_graphs else ""))
+              + (", encoder layers as CUDA graphs" if args.cuda_graphs else "")
+              + (", torch.compile" + (" (aot_eager on the CPU: traced, not code-generated)" if device.type == "cpu" else "")
+                 if args.compile else ""))
         counts = torch.bincount(torch.cat([ids.flatten() for ids, _ in eval_batches]), minlength=tokenizer.vocab_size)
         counts[[tokenizer.pad, tokenizer.cls, tokenizer.sep]] = 0
         print(f"baseline: always predicting the most frequent token ({counts.argmax().item()}) is right on "
@@ -754,6 +770,7 @@ def train(args, ddp, rank, world, device):
         print(f"MFU below: model FLOPs over the bf16 matmul rate measured now ({matmul_rate:.0f} TF/s)")
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
     t0, stop_at = time.perf_counter(), min(args.max_steps, step + args.stop_after if args.stop_after else args.max_steps)
+    first_step, timed_steps = step, 0
     while step < stop_at:
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
@@ -764,26 +781,34 @@ def train(args, ddp, rank, world, device):
             ids, mask = next(train_batches)
             seen = [n + args.batch_size for n in seen]  # every rank reads a batch: no need to ask the others
             inputs, labels = mask_tokens(ids, mask, tokenizer, args.mask_prob, gen)
+            positions = to_device(masked_positions(labels), device)
+            if args.compile:  # their number changes every batch: one graph for all, not a recompile each time
+                torch._dynamo.maybe_mark_dynamic(positions, 0)
             # DDP averages the gradients across ranks on the last micro-step only
             with contextlib.nullcontext() if not ddp or micro == args.grad_accum - 1 else model.no_sync(), \
                     out_of_memory_advice(args):
                 with autocast:
                     loss, acc = model(to_device(inputs, device), device_mask(mask, device),
-                                      labels=to_device(labels, device),
-                                      positions=to_device(masked_positions(labels), device))
+                                      labels=to_device(labels, device), positions=positions)
                 (loss / args.grad_accum).backward()
             # summed on the device: a .item() here would make the host wait for the GPU every micro-step
             loss_sum, acc_sum = loss_sum + loss.detach() / args.grad_accum, acc_sum + acc / args.grad_accum
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=not (args.cuda_graphs and args.grad_accum > 1))  # see capture_cuda_graphs
-        step += 1
+        step, timed_steps = step + 1, timed_steps + 1
+        if args.compile and step == first_step + 1:  # the first call traced and compiled forward and backward
+            loss_sum.item()
+            first_step_s = time.perf_counter() - t0
+            if master:
+                print(f"torch.compile: the first step took {first_step_s:.1f} s, compilation included", flush=True)
+            t0, timed_steps = time.perf_counter(), 0
         if master and sys.stdout.isatty():  # a one-line progress bar between log lines
             print(f"\r[{'#' * (30 * step // args.max_steps):<30}] step {step}/{args.max_steps}", end="", flush=True)
         if master and (step % args.log_interval == 0 or step == args.max_steps):
             loss_sum, acc_sum = loss_sum.item(), acc_sum.item()  # waits for the GPU: the time below is its time
-            dt = (time.perf_counter() - t0) / args.log_interval
-            t0 = time.perf_counter()
+            dt = (time.perf_counter() - t0) / timed_steps if timed_steps else first_step_s  # (logged at step 1)
+            t0, timed_steps = time.perf_counter(), 0
             tflops = flops_per_token(n_params, raw_model.cfg, args.seq_len) * tokens_per_step / dt / 1e12
             mfu = f"{tflops / matmul_rate:.1%}" if matmul_rate else "n/a"
             mem = f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if device.type == "cuda" else "n/a"
@@ -810,6 +835,15 @@ def train(args, ddp, rank, world, device):
     if master:
         write_logs(history, args.out)
     return history
+
+
+def compile_model(model, device):
+    """torch.compile the nanoGPT way: the whole model at once, DDP's wrapper included (Dynamo then
+    splits the graph at DDP's gradient buckets, so that their all-reduces overlap the backward). 03's
+    and 04's kernels are torch.library ops, opaque to Inductor: it calls them as they are and
+    compiles what lies between them. On the CPU the graph is traced and run by aot_eager (Triton's
+    interpreter runs the kernels; generated code would gain nothing there)."""
+    return torch.compile(model, backend="inductor" if device.type == "cuda" else "aot_eager")
 
 
 def compare(args, argv):
@@ -861,30 +895,42 @@ def bench(args, ddp, rank, world, device):
     matmul_rate = matmul_tflops(device)
     if rank == 0:
         print(f"{n_params / 1e6:.1f}M parameters, {world} rank(s), batch {batch} x seq {seq} per rank"
-              + (", encoder layers as CUDA graphs (Hugging Face's model runs eagerly)" if args.cuda_graphs else "")
               + (f"; yardstick: a bf16 matmul runs at {matmul_rate:.0f} TF/s on this GPU" if matmul_rate else ""))
-    candidates = list(ATTN_PATHS)
+    models = list(ATTN_PATHS)
     try:
         import transformers
-        candidates.append("hf")
+        models.append("hf")
     except ImportError:
         print("(transformers is not installed: Hugging Face's RoFormerForMaskedLM is not benchmarked)")
+    # each model eager and compiled; with --cuda-graphs, ours also eager with each layer replayed from CUDA graphs
+    candidates = [m + mode for m in models for mode in ("", "+compile", "+graphs")
+                  if mode != "+graphs" or (args.cuda_graphs and m != "hf")]
+    if args.bench_paths:
+        unknown = set(args.bench_paths.split(",")) - set(candidates)
+        if unknown:
+            raise SystemExit(f"--bench-paths: {', '.join(sorted(unknown))} not among {', '.join(candidates)}")
+        candidates = [c for c in candidates if c in args.bench_paths.split(",")]
 
-    def build(name):
+    def build(candidate):
         torch.manual_seed(args.seed)
+        name = candidate.split("+")[0]
         if name == "hf":
             hf_cfg = transformers.RoFormerConfig(**{k: v for k, v in dataclasses.asdict(cfg).items()
                                                     if k != "embedding_size"}, attention_probs_dropout_prob=0.0)
             model = transformers.RoFormerForMaskedLM(hf_cfg).to(device)
-            step_loss = lambda: model(input_ids=ids, labels=labels).loss  # noqa: E731
         else:
             model = RoFormerForMaskedLM(cfg, name).to(device)
-            if args.cuda_graphs:
+            if candidate.endswith("+graphs"):
                 capture_cuda_graphs(model, batch, seq)
-            step_loss = lambda: model(ids, labels=labels, positions=positions)[0]  # noqa: E731
+            step_loss = lambda: stepped(ids, labels=labels, positions=positions)[0]  # noqa: E731
+        stepped = model
         if ddp:
-            model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if on_gpu else None,
-                                                        gradient_as_bucket_view=True)
+            stepped = nn.parallel.DistributedDataParallel(model, device_ids=[device] if on_gpu else None,
+                                                          gradient_as_bucket_view=True)
+        if candidate.endswith("+compile"):
+            stepped = compile_model(stepped, device)
+        if name == "hf":
+            step_loss = lambda: stepped(input_ids=ids, labels=labels).loss  # noqa: E731
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=on_gpu)
 
         def train_step():
@@ -914,18 +960,25 @@ def bench(args, ddp, rank, world, device):
         return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
 
     step_ms = {name: [] for name in candidates}  # per round
-    peak = {}
+    peak, first_step_s = {}, {}
     for round_ in range(args.bench_rounds):
         for name in candidates if round_ % 2 == 0 else candidates[::-1]:
             model, optimizer, train_step = build(name)
             with out_of_memory_advice(args):
-                for _ in range(3):  # warm up: compilation, allocator
+                start = time.perf_counter()
+                train_step()  # compiles, in the first round (later rounds find Inductor's cache)
+                torch.cuda.synchronize() if on_gpu else None
+                first_step_s.setdefault(name, time.perf_counter() - start)
+                for _ in range(2):  # warm up: allocator, autotuning
                     train_step()
                 if on_gpu:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                 step_ms[name].append(timed_steps(train_step))
             peak[name] = max(peak.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30) if on_gpu else float("nan")
+            if args.bench_profile and on_gpu and round_ == 0 and rank == 0:
+                print(f"{name:>15}: one step's GPU time by kernel family: " + ", ".join(
+                    f"{family} {n} kernels {ms:.1f} ms" for family, (n, ms) in kernel_families(train_step).items()))
             del model, optimizer, train_step
             gc.collect()  # graphed layers refer to themselves: only the collector frees them and their graphs
             if on_gpu:
@@ -935,29 +988,51 @@ def bench(args, ddp, rank, world, device):
         ms = statistics.median(t for times in step_ms[name] for t in times)
         tokens_per_s = batch * seq * world / (ms / 1e3)
         row = dict(attn=name, ms_per_step=ms, ms_per_step_by_round=[statistics.median(t) for t in step_ms[name]],
-                   tokens_per_s=tokens_per_s, peak_gib=peak[name],
+                   tokens_per_s=tokens_per_s, peak_gib=peak[name], first_step_s=first_step_s[name],
                    model_tflops_per_gpu=flops_per_token(n_params, cfg, seq) * tokens_per_s / world / 1e12)
         results.append(row)
         if rank == 0:
             of_matmul = f" ({row['model_tflops_per_gpu'] / matmul_rate:.0%} of matmul)" if matmul_rate else ""
             rounds = " / ".join(f"{m:.1f}" for m in row["ms_per_step_by_round"])
-            print(f"{name:>7}: {ms:8.1f} ms/step (median; by round {rounds}) {tokens_per_s:10.0f} tokens/s  "
-                  f"peak {row['peak_gib']:5.1f} GiB  {row['model_tflops_per_gpu']:6.1f} model TF/s per GPU{of_matmul}",
-                  flush=True)
+            print(f"{name:>15}: {ms:8.1f} ms/step (median; by round {rounds}) {tokens_per_s:10.0f} tokens/s  "
+                  f"peak {row['peak_gib']:5.1f} GiB  {row['model_tflops_per_gpu']:6.1f} model TF/s per GPU{of_matmul}"
+                  f"  first step {row['first_step_s']:.1f} s", flush=True)
+    by = {r["attn"]: r for r in results}
+    base = next((b for b in ("hf+compile", "hf") if b in by), None)  # the yardstick: what a user would run
+    for r in results:
+        r["vs_" + (base or "none")] = r["tokens_per_s"] / by[base]["tokens_per_s"] if base else None
+        r["peak_vs_" + (base or "none")] = r["peak_gib"] / by[base]["peak_gib"] if base and on_gpu else None
+    if rank == 0 and base:
+        print(f"against {base}: " + ", ".join(f"{r['attn']} {r['vs_' + base]:.2f}x" + (
+            f" ({r['peak_vs_' + base]:.0%} of its peak memory)" if on_gpu else "") for r in results))
     if rank == 0:
-        by = {r["attn"]: r for r in results}
-        for base in ("hf", "triton"):
-            if base in by:
-                memory = f", {by['fused']['peak_gib'] / by[base]['peak_gib']:.0%} of the peak memory" if on_gpu else ""
-                print(f"fused against {base}: {by['fused']['tokens_per_s'] / by[base]['tokens_per_s']:.2f}x the "
-                      f"tokens/s{memory}")
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"bench_{world}rank.json"), "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name() if on_gpu else "cpu", world=world, batch=batch,
-                           seq=seq, steps=args.bench_steps, rounds=args.bench_rounds, cuda_graphs=args.cuda_graphs,
-                           torch=torch.__version__,
+                           seq=seq, steps=args.bench_steps, rounds=args.bench_rounds, torch=torch.__version__,
                            matmul_tflops=matmul_rate, results=results), f, indent=1)
     return results
+
+
+def kernel_families(train_step):
+    """{family: (kernels, GPU ms)} of one training step, from torch.profiler: where the time goes, and
+    what torch.compile fused (Inductor's kernels are named triton_*) and what it left as it was."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        train_step()
+        torch.cuda.synchronize()
+    families = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        family = ("matmuls" if any(w in name for w in ("gemm", "nvjet", "cutlass", "xmma", "splitk")) else
+                  "ours (01-04)" if name.startswith(("rope", "rotate")) else
+                  "attention (SDPA)" if any(w in name for w in ("flash", "fmha", "cudnn", "attention")) else
+                  "Inductor's fused kernels" if name.startswith("triton_") else "other PyTorch kernels")
+        n, ms = families.get(family, (0, 0.0))
+        families[family] = (n + 1, ms + e.device_time_total / 1e3)
+    return dict(sorted(families.items(), key=lambda kv: -kv[1][1]))
 
 
 def write_logs(history, out):

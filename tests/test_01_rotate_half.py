@@ -62,6 +62,21 @@ def test_apply_rope_naive_gradcheck(interleaved):
     assert torch.autograd.gradcheck(lambda t: m.apply_rope_naive(t, freqs, "sbhd", interleaved), (t,))
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_apply_rope_naive_under_torch_compile(interleaved):
+    """fullgraph: R is an opaque torch.library op, forward and backward (Inductor on a GPU, aot_eager on the CPU)."""
+    t = torch.randn(2, 8, 2, 16, device=DEVICE, requires_grad=True)  # float32: Inductor fuses bf16 ops without rounding between them
+    freqs = torch.randn(8, 1, 1, 12, device=DEVICE)
+    rope = torch.compile(lambda t: m.apply_rope_naive(t, freqs, "bshd", interleaved), fullgraph=True,
+                         backend="inductor" if ON_GPU else "aot_eager")
+    y = rope(t)
+    expected = m.apply_rope_naive(t, freqs, "bshd", interleaved)
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(torch.autograd.grad(y.float().square().sum(), t)[0],
+                               torch.autograd.grad(expected.float().square().sum(), t)[0])
+    torch.library.opcheck(m.rotate_half_op, (torch.randn(3, 8, device=DEVICE, requires_grad=True), interleaved, False))
+
+
 def test_errors():
     with pytest.raises(ValueError, match="x's last dim must be even"):
         m.rotate_half(torch.randn(2, 5, device=DEVICE))

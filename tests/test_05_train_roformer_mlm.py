@@ -17,7 +17,8 @@ from conftest import DEVICE, ON_GPU, ROOT, deterministic_algorithms, load
 
 train = load("05_train_roformer_mlm.py")
 TINY = ["--seq-len", "32", "--batch-size", "2", "--layers", "2", "--hidden", "32", "--heads", "2",
-        "--log-interval", "1", "--eval-interval", "4", "--eval-batches", "1", "--ckpt-interval", "100"]
+        "--log-interval", "1", "--eval-interval", "4", "--eval-batches", "1", "--ckpt-interval", "100",
+        "--no-compile"]  # (the tests of --compile add it back)
 
 
 def hf_checkpoint(tmp_path, embedding_size=48):
@@ -337,13 +338,14 @@ def test_default_run_writes_logs_and_a_checkpoint(tmp_path):
 
 
 @pytest.mark.skipif(ON_GPU or shutil.which("torchrun") is None, reason="DDP over gloo on the CPU")
-def test_ddp_two_ranks_on_cpu(tmp_path):
+@pytest.mark.parametrize("compile_flag", ["--no-compile", "--compile"])
+def test_ddp_two_ranks_on_cpu(tmp_path, compile_flag):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(ROOT / "05_train_roformer_mlm.py"),
-                             "--out", str(tmp_path), "--max-steps", "4"] + TINY, capture_output=True, text=True,
-                            timeout=600, env=env)
+                             "--out", str(tmp_path), "--max-steps", "4"] + TINY + [compile_flag], capture_output=True,
+                            text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 rank(s)" in result.stdout
+    assert "2 rank(s)" in result.stdout and ("torch.compile" in result.stdout) == (compile_flag == "--compile")
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["seen"] == [8, 8]  # 4 steps x batch 2, per rank
 
 
@@ -357,8 +359,8 @@ def test_compare_two_paths_from_the_same_seed(tmp_path, capsys):
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU --bench times the BERT-base shape; run it by hand")
 def test_bench_runs_every_path(tmp_path):
-    results = train.main(["--bench", "--bench-steps", "2", "--bench-rounds", "2", "--out", str(tmp_path)])
-    assert [r["attn"] for r in results][:4] == list(train.ATTN_PATHS)
+    results = train.main(["--bench", "--bench-steps", "1", "--bench-rounds", "2", "--out", str(tmp_path)])
+    assert [r["attn"] for r in results][:8] == [p + mode for p in train.ATTN_PATHS for mode in ("", "+compile")]
     assert all(r["tokens_per_s"] > 0 and len(r["ms_per_step_by_round"]) == 2 for r in results)
     for r in results:  # tokens/s from the median step of both rounds
         assert min(r["ms_per_step_by_round"]) <= r["ms_per_step"] <= max(r["ms_per_step_by_round"])
@@ -390,3 +392,40 @@ def test_wordpiece_vocab_from_a_checkpoint(tmp_path):
     tok = train.WordPieceTokenizer(str(tmp_path / "vocab.txt"))
     assert (tok.pad, tok.cls, tok.sep, tok.mask, tok.vocab_size) == (0, 2, 3, 4, 8)
     assert tok.encode("hello worlds") == [5, 6, 7]
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU --bench times the BERT-base shape; run it by hand")
+def test_bench_paths_picks_and_refuses(tmp_path):
+    results = train.main(["--bench", "--bench-steps", "1", "--bench-rounds", "1", "--out", str(tmp_path),
+                          "--bench-paths", "fused+compile,triton"])
+    assert [r["attn"] for r in results] == ["triton", "fused+compile"]
+    with pytest.raises(SystemExit, match="fused\\+warp not among"):
+        train.main(["--bench", "--out", str(tmp_path), "--bench-paths", "fused+warp"])
+
+
+def test_compiled_training_matches_eager_and_its_checkpoints_load_either_way(tmp_path, monkeypatch):
+    """--compile (Inductor on a GPU, aot_eager on the CPU) trains as eager does, and its checkpoints
+    carry the model's own names (no _orig_mod. prefix), so that either mode resumes them."""
+    if ON_GPU:  # dropout drawn as eager draws it, so that the two runs see the same masks
+        monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
+    common = TINY + ["--max-steps", "4", "--ckpt-interval", "2"]
+    eager = train.main(["--out", str(tmp_path / "a")] + common)
+    compiled = train.main(["--out", str(tmp_path / "b")] + common + ["--compile"])
+    losses = [[r["loss"] for r in run if "loss" in r] for run in (eager, compiled)]
+    assert len(losses[1]) == 4
+    torch.testing.assert_close(losses[1], losses[0], rtol=2e-2 if ON_GPU else 1e-4, atol=0)
+    state = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["model"]
+    assert not [k for k in state if k.startswith(("_orig_mod.", "module."))]
+    assert set(state) == set(torch.load(tmp_path / "a" / "ckpt.pt", weights_only=True)["model"])
+    longer = TINY + ["--max-steps", "6", "--ckpt-interval", "2"]  # two more steps
+    resumed = train.main(["--out", str(tmp_path / "b"), "--resume"] + longer)  # eager, from a compiled run
+    assert [r["step"] for r in resumed if "loss" in r][-2:] == [5, 6]
+    train.main(["--out", str(tmp_path / "a"), "--resume"] + longer + ["--compile"])  # compiled, from an eager run
+
+
+@pytest.mark.skipif(not ON_GPU, reason="--cuda-graphs needs a GPU")
+def test_cuda_graphs_take_the_place_of_compile(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--cuda-graphs", "--compile"])
+    assert "add --no-compile" in capsys.readouterr().err
+    assert not train.parse_args(["--cuda-graphs"]).compile and train.parse_args([]).compile
