@@ -17,9 +17,12 @@ In this tutorial, you will learn about:
   and an exact ``--resume`` (bit for bit; on a GPU, under
   torch.use_deterministic_algorithms(True), since 04's dq and PyTorch's index backward otherwise
   add with float atomics), DistributedDataParallel via torchrun;
+* ``--compile`` (on with a GPU): the whole model under ``torch.compile``, the nanoGPT way, with
+  03's and 04's kernels opaque to Inductor; what it fuses and what it cannot, measured by kernel
+  family (``--bench --bench-profile``), against Hugging Face's model compiled;
 * why a small model trains at the pace of Python rather than the GPU, and ``--cuda-graphs``: each
   encoder layer's forward and backward replayed from CUDA graphs (and the trap such layers set for
-  gradient accumulation).
+  gradient accumulation), for runs without ``--compile``.
 
 Run ``python 05_train_roformer_mlm.py`` (a small model on the Python standard library's own source,
 no download), ``--help`` for the options. It loads 01-04 from beside this file.
@@ -839,10 +842,19 @@ def train(args, ddp, rank, world, device):
 
 def compile_model(model, device):
     """torch.compile the nanoGPT way: the whole model at once, DDP's wrapper included (Dynamo then
-    splits the graph at DDP's gradient buckets, so that their all-reduces overlap the backward). 03's
-    and 04's kernels are torch.library ops, opaque to Inductor: it calls them as they are and
-    compiles what lies between them. On the CPU the graph is traced and run by aot_eager (Triton's
-    interpreter runs the kernels; generated code would gain nothing there)."""
+    splits the graph at DDP's gradient buckets, so that their all-reduces overlap the backward). On
+    the CPU the graph is traced and run by aot_eager (Triton's interpreter runs the kernels there;
+    generated code would gain nothing).
+
+    What Inductor does here (--bench --bench-profile, BERT-base shape, one H100; the numbers in
+    results/05_train_roformer_mlm.md): it fuses what lies between the matmuls and our kernels, the
+    embeddings' sum, LayerNorm, GELU, dropout, the residual adds, the bias gradients, the masked
+    positions' gather and the loss: for the fused path 805 kernels and 19.2 ms of a step become 549
+    kernels and 11.2 ms, and the step goes from 39-47 ms to 29.9. It cannot touch 03's and 04's
+    kernels (torch.library ops, called as they are: 60 kernels, 5.3 ms in both) nor the matmuls'
+    insides (13.5 ms eager, 12.5 compiled). The first step pays the compilation: 20-30 s.
+    Compiled, the layers' CUDA graphs (--cuda-graphs) have nothing left to win: at this shape
+    compiled steps take 29.9 ms against 39.5 for eager layers replayed from graphs."""
     return torch.compile(model, backend="inductor" if device.type == "cuda" else "aot_eager")
 
 
