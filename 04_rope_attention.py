@@ -5,8 +5,8 @@ RoPE fused into attention, forward and backward
 In this tutorial, you will learn about:
 
 * where the rotation belongs: RoPE is O(s) work and attention O(s^2), so K is rotated once, in a
-  pass of its own, and q in the forward's prologue; both are saved rotated, and no attention loop
-  rotates anything;
+  pass of its own, and q in the forward's prologue and again in the backward's first kernel; no
+  attention loop rotates anything;
 * a layout for the rotated tensors (the halves of each pair side by side, zero-padded) in which
   every loop loads one whole tile per step and computes QK^T as one dot;
 * the backward: gradients accumulate in the rotated basis and are rotated back once, as dk and
@@ -101,56 +101,53 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # %%
 # Where to rotate: FLOPs and bytes
 # --------------------------------
-# QK^T and PV are 4*b*h*s^2*d FLOPs (half when causal); the backward is about 2.5 times that.
-# Inputs and outputs are O(b*s*h*d), so attention is bound by arithmetic from a few hundred
-# tokens on, and RoPE, O(b*s*h*d) work, is a question of bytes and of where its instructions go.
-# In units U = b*s*h*d elements (k as large as q):
+# QK^T and PV are 4*b*h*s^2*d FLOPs (half when causal), the backward about 2.5 times that, on
+# O(b*s*h*d) inputs: attention is bound by arithmetic from a few hundred tokens on, and RoPE is a
+# question of bytes and of where its instructions go. In units U = b*s*h*d elements:
 # - RoPE then attention (03 + SDPA or FlexAttention): RoPE reads q, k and writes rotated copies
 #   (4U), attention reads them and v and writes o (4U); the backward reads 5U and writes 3U, then
 #   RoPE's backward reads and writes dq and dk (4U): 8U + 12U.
-# - Rotating K inside the attention loop saves those bytes but rotates every K tile once per
-#   block of queries, O(s^2 / BLOCK_M) rotations on the loop that sets the pace.
-# - Here: one pass rotates K (2U); the forward rotates its q tile in the prologue and, when a
-#   backward will run, writes it out (1U); attention reads 4U. The backward reads the saved rq and
-#   rk and rotates dk and dq back as it stores them (8U): 7U + 8U, and every loop is plain
-#   FlashAttention.
-# Measured against rotating each K tile in the loops (results/04_rope_attention_ab.log, an H100
-# and an H200): forward + backward is 1-8% faster at s = 512 and 8-15% from s = 1024 on; the
-# forward alone is 3-14% slower at s = 512 (the pass and the prologue are a large share of a short
-# loop), 1-6% slower at s = 1024, and 10-20% faster from s = 2048. One design is kept: the one that
-# wins wherever there is a backward, and for long sequences.
-# The pass takes cos and sin once per position for all heads and writes them to a float32 table
-# [s, 4 * HALF] that the other kernels read: libdevice's sin and cos evaluated per element in the
-# forward's prologue cost about as much as the whole loop at s = 512. The pass loads BLOCK_S
-# positions of all heads as one tile: a loop over heads would wait on memory once per head.
+# - Rotating each K tile inside the loop saves those bytes but rotates every K tile once per block
+#   of queries: O(s^2 / BLOCK_M) rotations, on the loop that sets the pace.
+# - Here: a pass rotates K once (2U) and the forward rotates its q tile in the prologue; attention
+#   reads 4U. The rotated k (rk) is saved; the backward's first kernel, which reads every query row
+#   anyway, rotates q again into rq (2U), and dk and dq are rotated back as they are stored:
+#   6U + 10U, and every loop is plain FlashAttention. Rotating q in the backward rather than saving
+#   it from the forward keeps the forward lean (at s = 512 writing rq was 2-3% of it) and frees rq's
+#   memory between forward and backward, for q itself is kept anyway.
+# Against rotating K in the loops (results/04_rope_attention_ab.log, an H100 and an H200), forward
+# + backward is 1-8% faster at s = 512 and 8-15% from s = 1024; the forward alone is 3-14% slower
+# at s = 512 (the pass is a large share of a short loop), 1-6% slower at 1024 and 10-20% faster
+# from 2048. Training always runs the backward: one design is kept, this one.
+# The pass also takes cos and sin once per position for all heads, into a float32 table
+# [s, 4 * HALF] that the other kernels read (libdevice's sin and cos per element in the prologue
+# cost as much as the whole loop at s = 512), and it loads BLOCK_S positions of all heads as one
+# tile: a loop over heads would wait on memory once per head.
 #
 # The rotated layout
 # ------------------
-# QK^T sums over channels, so q and k may hold their channels in any order they share. rq
-# [b, h, s, W] and rk [b, h_kv, s, W] hold, per row, the a members of the d2/2 pairs (rotate-half:
-# channel i; interleaved: 2i), zero-padded to a power of two HALF, then the b members likewise,
-# then the d - d2 channels that are not rotated: W = 2 * HALF + d - d2. Every loop loads a tile as
-# one contiguous [rows, 2 * HALF] block with no channel mask, and QK^T is one dot (plus one for
-# the pass-through channels). rk is stored whole, so its pad lanes must be written as 0. q and k
-# are rotated in float32 and rounded once to their dtype, as 03 rounds them.
+# QK^T sums over channels, so q and k may hold them in any order they share. rq [b, h, s, W] and
+# rk [b, h_kv, s, W] hold per row the a members of the d2/2 pairs (rotate-half: channel i;
+# interleaved: 2i), zero-padded to a power of two HALF, then the b members likewise, then the
+# d - d2 channels that are not rotated: W = 2 * HALF + d - d2. A loop loads a tile as one
+# [rows, 2 * HALF] block with no channel mask, and QK^T is one dot (plus one for the pass-through
+# channels); their pad lanes are written as 0. q and k are rotated in float32 and rounded once.
 #
 # The backward
 # ------------
-# S = scale * Rq Rk^T, Rq being q with each row rotated by its position's angles. Given dS,
-# d(Rq) = scale * dS Rk and d(Rk) = scale * dS^T Rq accumulate in the rotated basis. Each row's
-# rotation is linear and depends only on its position, so dq = R^T d(Rq) row by row: the
-# transposed rotation (the sines trade halves and change sign), applied once per finished tile.
-#
-# One program per block of keys loops over the query tiles: it recomputes P^T = exp(S^T - lse)
-# and dP^T = V dO^T, and accumulates dV += P^T dO and d(Rk) += dS^T Rq in registers. dQ needs the
+# S = scale * Rq Rk^T, Rq being q with each row rotated by its position's angles. d(Rq) = scale *
+# dS Rk and d(Rk) = scale * dS^T Rq accumulate in the rotated basis; each row's rotation is linear
+# and depends only on its position, so dq = R^T d(Rq) row by row (the sines trade halves and
+# change sign), applied once per finished tile.
+# One program per block of keys loops over the query tiles: it recomputes P^T = exp(S^T - lse) and
+# dP^T = V dO^T and accumulates dV += P^T dO and d(Rk) += dS^T Rq in registers. dQ needs the
 # opposite loop; a second kernel that recomputes P and dP costs 7 matmuls per tile pair instead of
 # 5, so by default each key block adds dS Rk into a float32 d(Rq) buffer with atomic adds, as
-# FlashAttention 2 does, and the pass rotates it back and casts it. Float atomics land in no fixed
-# order (dq's last bits vary between runs); under torch.use_deterministic_algorithms(True) the
-# backward takes the second-kernel route.
+# FlashAttention 2 does, and the pass rotates it back. Atomics add in no fixed order (dq's last
+# bits vary between runs): under torch.use_deterministic_algorithms(True) the second kernel runs.
 #
 # Offsets: a head's base pointer is int64; offsets within a head are int32 (fewer registers next
-# to the accumulators) unless a head's rows could span 2^31 elements (WIDE).
+# to the accumulators) unless they could reach 2^31 (WIDE).
 
 # %%
 # The kernels
@@ -277,28 +274,33 @@ def rope_pass_kernel(x_ptr, y_ptr, freqs_ptr, trig_ptr, scale, seqlen, n_heads, 
 
 
 @triton.jit
-def _visible(offs_m, offs_n, seqlen, key_mask_ptr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-             EVEN_N: tl.constexpr):
-    """[len(offs_m), len(offs_n)]: may query m see key n? (bounds, padding mask, causality)"""
-    visible = tl.full((offs_m.shape[0], offs_n.shape[0]), 1, tl.int1)
-    if not EVEN_N:
-        visible = visible & (offs_n < seqlen)[None, :]
-    if HAS_MASK:
-        visible = visible & (tl.load(key_mask_ptr + offs_n, mask=offs_n < seqlen, other=0) != 0)[None, :]
-    if CAUSAL:
-        visible = visible & (offs_m[:, None] >= offs_n[None, :])
-    return visible
+def _masked(x, q_idx, k_idx, seqlen, key_mask_row, fill, diagonal, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+            EVEN_N: tl.constexpr):
+    """x, `fill` where a query may not see a key: past the end, padded, or (causal) later. q_idx and
+    k_idx index x's rows and columns, either way round ([m, 1] and [1, n], or the transpose). With no
+    bounds or padding to test, the causal test runs only on tiles that cross the diagonal."""
+    if (not EVEN_N) or HAS_MASK:
+        visible = k_idx < seqlen
+        if HAS_MASK:
+            visible = visible & (tl.load(key_mask_row + k_idx, mask=k_idx < seqlen, other=0) != 0)
+        if CAUSAL:
+            visible = visible & (q_idx >= k_idx)
+        x = tl.where(visible, x, fill)
+    elif CAUSAL:
+        if diagonal:
+            x = tl.where(q_idx >= k_idx, x, fill)
+    return x
 
 
 @triton.jit
 def rope_attn_fwd_kernel(
-    q_ptr, rk_ptr, v_ptr, o_ptr, lse_ptr, rq_ptr, trig_ptr, key_mask_ptr,
+    q_ptr, rk_ptr, v_ptr, o_ptr, lse_ptr, trig_ptr, key_mask_ptr,
     qk_scale, seqlen, n_heads, group, half, n_pass,
     stride_qb, stride_qs, stride_qh, stride_qd, stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_os, stride_oh, stride_od,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     W: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, SAVE_RQ: tl.constexpr, WIDE: tl.constexpr,
+    HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One block of queries of one head: the output rows and their log-sum-exp (base 2)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -307,17 +309,12 @@ def rope_attn_fwd_kernel(
     m_ok = (offs_m < seqlen)[:, None]
     j, c, d = tl.arange(0, 2 * HALF)[None, :], tl.arange(0, PASS)[None, :], tl.arange(0, D)[None, :]
     head_dim = 2 * half + n_pass
-    # prologue: this block's q rows rotated, the halves side by side, rounded to q's dtype, saved for the backward
+    # prologue: this block's q rows rotated, the halves side by side, rounded to q's dtype
     q_rows = q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
     cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, offs_m, m_ok, HALF)
     q_a, q_b = _load_rotated(q_rows, stride_qd, m_ok, cos_a, sin_a, cos_b, sin_b, half, HALF, INTERLEAVED)
     q_r = tl.reshape(tl.permute(tl.join(q_a, q_b), (0, 2, 1)), (BLOCK_M, 2 * HALF)).to(q_ptr.dtype.element_ty)
     q_p = tl.load(q_rows + (2 * half + c) * stride_qd, mask=m_ok & (c < n_pass), other=0.0)  # 0s without HAS_PASS
-    if SAVE_RQ:
-        rq_rows = rq_ptr + bh.to(tl.int64) * seqlen * W + offs_m[:, None] * W
-        tl.store(rq_rows + j, q_r, mask=m_ok)
-        if HAS_PASS:
-            tl.store(rq_rows + 2 * HALF + c, q_p, mask=m_ok & (c < n_pass))
     rk_head = rk_ptr + (bh // group).to(tl.int64) * seqlen * W  # rk is [b, h_kv, s, W]: row b * h_kv + h // group
     v_head = v_ptr + b * stride_vb + (h // group) * stride_vh
     key_mask_row = key_mask_ptr + b * seqlen
@@ -326,9 +323,7 @@ def rope_attn_fwd_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max of the scaled scores
     l_i = tl.zeros((BLOCK_M,), tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
-    hi = seqlen
-    if CAUSAL:
-        hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen)
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen) if CAUSAL else seqlen  # causal: no key past the block's last query
     for start_n in range(0, hi, BLOCK_N):
         offs_n = _positions(start_n, BLOCK_N, WIDE)
         n_ok = (offs_n < seqlen)[:, None]
@@ -337,17 +332,11 @@ def rope_attn_fwd_kernel(
         if HAS_PASS:
             scores = tl.dot(q_p, tl.trans(tl.load(k_rows + 2 * HALF + c, mask=n_ok & (c < n_pass), other=0.0)),
                             scores)
-        if (not EVEN_N) or HAS_MASK:
-            scores = tl.where(_visible(offs_m, offs_n, seqlen, key_mask_row, CAUSAL, HAS_MASK, EVEN_N), scores,
-                              float("-inf"))
-        elif CAUSAL:
-            if start_n + BLOCK_N > pid_m * BLOCK_M:  # only the blocks on the diagonal need the causal mask
-                scores = tl.where(offs_m[:, None] >= offs_n[None, :], scores, float("-inf"))
+        scores = _masked(scores, offs_m[:, None], offs_n[None, :], seqlen, key_mask_row, float("-inf"),
+                         start_n + BLOCK_N > pid_m * BLOCK_M, CAUSAL, HAS_MASK, EVEN_N)
         m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
-        if HAS_MASK:  # a row that has seen no visible key yet keeps m = -inf: subtract 0 instead
-            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new_safe = m_new
+        # with a padding mask, a row that has seen no visible key yet keeps m = -inf: subtract 0 instead
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if HAS_MASK else m_new
         p = tl.exp2(scores * qk_scale - m_new_safe[:, None])
         alpha = tl.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -363,27 +352,38 @@ def rope_attn_fwd_kernel(
 
 
 @triton.jit
-def rope_attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, dq_acc_ptr, seqlen, n_heads, head_dim,
-                               stride_ob, stride_os, stride_oh, stride_od, stride_db, stride_ds, stride_dh, stride_dd,
-                               BLOCK_M: tl.constexpr, D: tl.constexpr, W: tl.constexpr, W_TILE: tl.constexpr,
-                               ZERO_DQ: tl.constexpr):
-    """delta = rowsum(dO * O): the softmax backward's dP correction, one value per query row; with
-    ZERO_DQ, also zero these rows of the float32 dq buffer [b, h, s, W] the dkdv kernel adds into
-    (here, where the rows are visited anyway, rather than by a memset: one launch fewer)."""
+def rope_attn_bwd_prep_kernel(
+    q_ptr, o_ptr, do_ptr, rq_ptr, delta_ptr, dq_acc_ptr, trig_ptr, seqlen, n_heads, half, n_pass,
+    stride_qb, stride_qs, stride_qh, stride_qd, stride_ob, stride_os, stride_oh, stride_od,
+    stride_db, stride_ds, stride_dh, stride_dd, BLOCK_M: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
+    D: tl.constexpr, W: tl.constexpr, W_TILE: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr,
+    ZERO_DQ: tl.constexpr,
+):
+    """The backward's pass over the query rows of one head: rq = R q in the rotated layout (the values
+    the forward's prologue computed; all lanes, pads 0), delta = rowsum(dO * O) (the softmax
+    backward's dP correction) and, with ZERO_DQ, these rows of the float32 dq sum zeroed (here, where
+    the rows are visited anyway, rather than by a memset: one launch fewer)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, D)[None, :]
-    mask = (offs_m < seqlen)[:, None] & (d < head_dim)
-    rows = offs_m.to(tl.int64)[:, None]
+    m_ok, rows = (offs_m < seqlen)[:, None], offs_m.to(tl.int64)[:, None]
+    i, c, d = tl.arange(0, HALF)[None, :], tl.arange(0, PASS)[None, :], tl.arange(0, D)[None, :]
+    row_stats = bh.to(tl.int64) * seqlen + offs_m
+    q_rows, rq_rows = q_ptr + b * stride_qb + h * stride_qh + rows * stride_qs, rq_ptr + row_stats[:, None] * W
+    cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, offs_m, m_ok, HALF)
+    q_a, q_b = _load_rotated(q_rows, stride_qd, m_ok, cos_a, sin_a, cos_b, sin_b, half, HALF, INTERLEAVED)
+    tl.store(rq_rows + i, q_a.to(rq_ptr.dtype.element_ty), mask=m_ok)
+    tl.store(rq_rows + HALF + i, q_b.to(rq_ptr.dtype.element_ty), mask=m_ok)
+    if HAS_PASS:
+        tl.store(rq_rows + 2 * HALF + c, tl.load(q_rows + (2 * half + c) * stride_qd, mask=m_ok & (c < n_pass)),
+                 mask=m_ok & (c < n_pass))
+    mask = m_ok & (d < 2 * half + n_pass)
     o = tl.load(o_ptr + b * stride_ob + h * stride_oh + rows * stride_os + d * stride_od, mask=mask, other=0.0)
     do = tl.load(do_ptr + b * stride_db + h * stride_dh + rows * stride_ds + d * stride_dd, mask=mask, other=0.0)
-    row_stats = bh.to(tl.int64) * seqlen + offs_m
     tl.store(delta_ptr + row_stats, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < seqlen)
     if ZERO_DQ:
         j = tl.arange(0, W_TILE)[None, :]
-        tl.store(dq_acc_ptr + row_stats[:, None] * W + j, tl.zeros((BLOCK_M, W_TILE), tl.float32),
-                 mask=(offs_m < seqlen)[:, None] & (j < W))
+        tl.store(dq_acc_ptr + row_stats[:, None] * W + j, tl.zeros((BLOCK_M, W_TILE), tl.float32), mask=m_ok & (j < W))
 
 
 @triton.jit
@@ -414,9 +414,7 @@ def rope_attn_bwd_dkdv_kernel(
     dk_r = tl.zeros((BLOCK_N, 2 * HALF), tl.float32)
     dk_p = tl.zeros((BLOCK_N, PASS), tl.float32)
     dv = tl.zeros((BLOCK_N, D), tl.float32)
-    start = 0
-    if CAUSAL:  # earlier queries cannot see these keys
-        start = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+    start = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0  # causal: earlier queries cannot see these keys
     for g in range(group):
         bh = b * n_heads + hk * group + g
         q_head = rq_ptr + bh * seqlen * W
@@ -434,12 +432,8 @@ def rope_attn_bwd_dkdv_kernel(
                 scores_t = tl.dot(k_p, tl.trans(q_p), scores_t)
             lse = _load(lse_ptr + row_stats + offs_m, offs_m < seqlen, float("inf"), EVEN_M)
             p_t = tl.exp2(scores_t * qk_scale - lse[None, :])
-            if (not EVEN_N) or HAS_MASK:
-                p_t = tl.where(tl.trans(_visible(offs_m, offs_n, seqlen, key_mask_ptr + b * seqlen, CAUSAL, HAS_MASK,
-                                                 EVEN_N)), p_t, 0.0)
-            elif CAUSAL:
-                if start_m < (pid_n + 1) * BLOCK_N - 1:  # only the blocks on the diagonal need the causal mask
-                    p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+            p_t = _masked(p_t, offs_m[None, :], offs_n[:, None], seqlen, key_mask_ptr + b * seqlen, 0.0,
+                          start_m < (pid_n + 1) * BLOCK_N - 1, CAUSAL, HAS_MASK, EVEN_N)
             do = _load(do_head + offs_m[:, None] * stride_ds + d * stride_dd, m_ok & (d < head_dim), 0.0,
                        EVEN_M and EVEN_D)
             dv = tl.dot(p_t.to(do.dtype), do, dv)
@@ -493,9 +487,7 @@ def rope_attn_bwd_dq_kernel(
     v_head = v_ptr + b * stride_vb + (h // group) * stride_vh
     dq_r = tl.zeros((BLOCK_M, 2 * HALF), tl.float32)
     dq_p = tl.zeros((BLOCK_M, PASS), tl.float32)
-    hi = seqlen
-    if CAUSAL:
-        hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen)
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen) if CAUSAL else seqlen  # causal: no key past the block's last query
     for start_n in range(0, hi, BLOCK_N):
         offs_n = _positions(start_n, BLOCK_N, WIDE)
         n_ok = (offs_n < seqlen)[:, None]
@@ -506,11 +498,8 @@ def rope_attn_bwd_dq_kernel(
             k_p = tl.load(k_rows + 2 * HALF + c, mask=n_ok & (c < n_pass), other=0.0)
             scores = tl.dot(q_p, tl.trans(k_p), scores)
         p = tl.exp2(scores * qk_scale - lse[:, None])
-        if (not EVEN_N) or HAS_MASK:
-            p = tl.where(_visible(offs_m, offs_n, seqlen, key_mask_ptr + b * seqlen, CAUSAL, HAS_MASK, EVEN_N), p, 0.0)
-        elif CAUSAL:
-            if start_n + BLOCK_N > pid_m * BLOCK_M:  # only the blocks on the diagonal need the causal mask
-                p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+        p = _masked(p, offs_m[:, None], offs_n[None, :], seqlen, key_mask_ptr + b * seqlen, 0.0,
+                    start_n + BLOCK_N > pid_m * BLOCK_M, CAUSAL, HAS_MASK, EVEN_N)
         v = _load(v_head + offs_n[:, None] * stride_vs + d * stride_vd, n_ok & (d < head_dim), 0.0, EVEN_N and EVEN_D)
         ds = (p * (tl.dot(do, tl.trans(v)) - delta[:, None])).to(q_r.dtype)
         dq_r = tl.dot(ds, k_r, dq_r)
@@ -592,47 +581,54 @@ def _rope_pass(x, y, freqs, trig, scale, dims, interleaved, tensor_format, to_ro
         TO_ROTATED=to_rotated, num_warps=PASS_CONFIG["num_warps"])
 
 
-def _forward_outputs(q, k, freqs, tensor_format, save_rotated):
-    """Empty (o, lse, rq, rk, trig); rq is empty when no backward will run; trig is the float32
-    table [s, 4 * HALF] of cos_a, sin_a, cos_b, sin_b per position."""
+def _forward_outputs(q, k, freqs, tensor_format):
+    """Empty (o, lse, rk, trig); trig is the float32 table [s, 4 * HALF] of cos_a, sin_a, cos_b, sin_b per position."""
     dims = _dims(q, k, freqs.shape[3], tensor_format)
     b, s, h, h_kv, w = (dims[key] for key in ("batch", "seqlen", "n_heads", "n_kv_heads", "W"))
-    rq = q.new_empty(b, h, s, w) if save_rotated else q.new_empty(0)
-    return (q.new_empty(q.shape), q.new_empty(b, h, s, dtype=torch.float32), rq, q.new_empty(b, h_kv, s, w),
+    return (q.new_empty(q.shape), q.new_empty(b, h, s, dtype=torch.float32), q.new_empty(b, h_kv, s, w),
             q.new_empty(s, 4 * dims["HALF"], dtype=torch.float32))
 
 
-def _forward(q, k, v, freqs, key_mask, sm_scale, causal, interleaved, tensor_format, save_rotated):
+def _forward(q, k, v, freqs, key_mask, sm_scale, causal, interleaved, tensor_format):
     dims = _dims(q, k, freqs.shape[3], tensor_format)
-    o, lse, rq, rk, trig = _forward_outputs(q, k, freqs, tensor_format, save_rotated)
+    o, lse, rk, trig = _forward_outputs(q, k, freqs, tensor_format)
     _rope_pass(k, rk, freqs, trig, 1.0, dims, interleaved, tensor_format, to_rotated=True)
     cfg = _config("fwd", dims["head_dim"], dims["seqlen"], causal)
     rope_attn_fwd_kernel[(triton.cdiv(dims["seqlen"], cfg["BLOCK_M"]), dims["batch"] * dims["n_heads"])](
-        q, rk, v, o, lse, rq, trig, key_mask if key_mask is not None else lse, sm_scale * LOG2E, dims["seqlen"],
+        q, rk, v, o, lse, trig, key_mask if key_mask is not None else lse, sm_scale * LOG2E, dims["seqlen"],
         dims["n_heads"], dims["n_heads"] // dims["n_kv_heads"], dims["half"], dims["n_pass"],
         *(st for x in (q, v, o) for st in _strides(x, tensor_format)), HALF=dims["HALF"], PASS=dims["PASS"],
         D=dims["D"], W=dims["W"], INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0, CAUSAL=causal,
         HAS_MASK=key_mask is not None, EVEN_N=dims["seqlen"] % cfg["BLOCK_N"] == 0, EVEN_D=dims["D"] == dims["head_dim"],
-        SAVE_RQ=save_rotated, WIDE=_wide(dims, tensor_format, q, v, o), **cfg)
-    return o, lse, rq, rk, trig
+        WIDE=_wide(dims, tensor_format, q, v, o), **cfg)
+    return o, lse, rk, trig
 
 
-def _backward(do, rq, rk, v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, tensor_format, dq, dk, dv):
+def _backward_prep(q, o, do, lse, trig, dims, interleaved, tensor_format, zero_dq):
+    """(rq, delta, the float32 dq sum, zeroed; or lse in its place, unused, without zero_dq)."""
+    b, s, h, w = (dims[key] for key in ("batch", "seqlen", "n_heads", "W"))
+    rq, delta = q.new_empty(b, h, s, w), torch.empty_like(lse)
+    dq_acc = torch.empty(b, h, s, w, device=q.device, dtype=torch.float32) if zero_dq else lse
+    rope_attn_bwd_prep_kernel[(triton.cdiv(s, 64), b * h)](
+        q, o, do, rq, delta, dq_acc, trig, s, h, dims["half"], dims["n_pass"],
+        *(st for x in (q, o, do) for st in _strides(x, tensor_format)), BLOCK_M=64, HALF=dims["HALF"],
+        PASS=dims["PASS"], D=dims["D"], W=w, W_TILE=_pow2(w, 16), INTERLEAVED=interleaved,
+        HAS_PASS=dims["n_pass"] > 0, ZERO_DQ=zero_dq)
+    return rq, delta, dq_acc
+
+
+def _backward(do, q, rk, v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, tensor_format, dq, dk, dv):
     """Write the gradients into dq, dk and dv (any strides: views of one tensor work)."""
-    dims = _dims(dq, dk, rot_dim, tensor_format)
+    dims = _dims(q, dk, rot_dim, tensor_format)
     b, s, h, h_kv, w, D = (dims[key] for key in ("batch", "seqlen", "n_heads", "n_kv_heads", "W", "D"))
     strides = lambda *xs: [st for x in xs for st in _strides(x, tensor_format)]  # noqa: E731
     common = dict(HALF=dims["HALF"], PASS=dims["PASS"], D=D, W=w, INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0,
                   CAUSAL=causal, HAS_MASK=key_mask is not None, EVEN_D=D == dims["head_dim"],
-                  WIDE=_wide(dims, tensor_format, v, do, dq, dk, dv))
+                  WIDE=_wide(dims, tensor_format, q, v, do, dq, dk, dv))
     scalars = (sm_scale * LOG2E, s, h, h // h_kv, dims["half"], dims["n_pass"])
     key_mask = key_mask if key_mask is not None else lse  # (unused without HAS_MASK)
     atomic_dq = not torch.are_deterministic_algorithms_enabled()  # else the dq kernel: a fixed order of sums
-    dq_acc = torch.empty(b, h, s, w, device=dq.device, dtype=torch.float32) if atomic_dq else lse
-    delta = torch.empty_like(lse)
-    rope_attn_bwd_delta_kernel[(triton.cdiv(s, 64), b * h)](
-        o, do, delta, dq_acc, s, h, dims["head_dim"], *strides(o, do), BLOCK_M=64, D=D, W=w, W_TILE=_pow2(w, 16),
-        ZERO_DQ=atomic_dq)
+    rq, delta, dq_acc = _backward_prep(q, o, do, lse, trig, dims, interleaved, tensor_format, zero_dq=atomic_dq)
     cfg = _config("dkdv", dims["head_dim"])
     rope_attn_bwd_dkdv_kernel[(triton.cdiv(s, cfg["BLOCK_N"]), b * h_kv)](
         rq, rk, v, do, dk, dv, dq_acc, lse, delta, trig, key_mask, *scalars, *strides(v, do, dk, dv),
@@ -669,37 +665,32 @@ def _unpack(qkv):
 
 
 def _forward_impl(qkv: List[Tensor], freqs: Tensor, key_mask: Optional[Tensor], sm_scale: float, causal: bool,
-                  interleaved: bool, tensor_format: str, save_rotated: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _forward(*_unpack(qkv), freqs, key_mask, sm_scale, causal, interleaved, tensor_format, save_rotated)
+                  interleaved: bool, tensor_format: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _forward(*_unpack(qkv), freqs, key_mask, sm_scale, causal, interleaved, tensor_format)
 
 
-def _forward_fake(qkv, freqs, key_mask, sm_scale, causal, interleaved, tensor_format, save_rotated):
+def _forward_fake(qkv, freqs, key_mask, sm_scale, causal, interleaved, tensor_format):
     q, k, _ = _unpack(qkv)
-    return _forward_outputs(q, k, freqs, tensor_format, save_rotated)
+    return _forward_outputs(q, k, freqs, tensor_format)
 
 
-def _gradients(qkv_or_v, rq, tensor_format, packed):
-    """Empty gradients: [dqkv] for packed qkv, else [dq, dk, dv] (dq's shape from rq [b, h, s, W])."""
-    if packed:
-        return [qkv_or_v.new_empty(qkv_or_v.shape)]
-    v, (b, h, s) = qkv_or_v, rq.shape[:3]
-    dq = v.new_empty((s, b, h, v.shape[3]) if tensor_format == "sbhd" else (b, s, h, v.shape[3]))
-    return [dq, v.new_empty(v.shape), v.new_empty(v.shape)]
+def _gradients(qv):
+    """Empty gradients: [dqkv] for packed [qkv], else [dq, dk, dv] for [q, v] (k has v's shape)."""
+    return [x.new_empty(x.shape) for x in (qv if len(qv) == 1 else (qv[0], qv[1], qv[1]))]
 
 
-def _backward_impl(do: Tensor, rq: Tensor, rk: Tensor, qkv_or_v: Tensor, o: Tensor, lse: Tensor, trig: Tensor,
+def _backward_impl(do: Tensor, qv: List[Tensor], rk: Tensor, o: Tensor, lse: Tensor, trig: Tensor,
                    key_mask: Optional[Tensor], rot_dim: int, sm_scale: float, causal: bool, interleaved: bool,
-                   tensor_format: str, packed: bool) -> List[Tensor]:
-    grads = _gradients(qkv_or_v, rq, tensor_format, packed)
-    v = qkv_or_v.unbind(2)[2] if packed else qkv_or_v
-    _backward(do, rq, rk, v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, tensor_format,
-              *(grads[0].unbind(2) if packed else grads))
+                   tensor_format: str) -> List[Tensor]:
+    grads = _gradients(qv)
+    q, _, v = _unpack(qv) if len(qv) == 1 else (qv[0], None, qv[1])
+    _backward(do, q, rk, v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, tensor_format,
+              *(grads[0].unbind(2) if len(qv) == 1 else grads))
     return grads
 
 
-def _backward_fake(do, rq, rk, qkv_or_v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved,
-                   tensor_format, packed):
-    return _gradients(qkv_or_v, rq, tensor_format, packed)
+def _backward_fake(do, qv, rk, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, tensor_format):
+    return _gradients(qv)
 
 
 def _custom_op(name, fn, fake):
@@ -717,17 +708,18 @@ backward_op = _custom_op("backward", _backward_impl, _backward_fake)
 
 
 def _save_for_backward(ctx, inputs, output):
-    qkv, freqs, key_mask, sm_scale, causal, interleaved, tensor_format, _ = inputs
-    o, lse, rq, rk, trig = output
-    ctx.mark_non_differentiable(lse, rq, rk, trig)  # only o carries a gradient, and autograd would
-    ctx.set_materialize_grads(False)  # otherwise fill zero gradients as large as rq and rk for the others
-    # v, or for packed qkv the whole of it (v is a view of it); q and k are not needed, rq and rk are
-    ctx.save_for_backward(rq, rk, qkv[2] if len(qkv) == 3 else qkv[0], o, lse, trig, key_mask)
-    ctx.args = freqs.shape[3], sm_scale, causal, interleaved, tensor_format, len(qkv) == 1
+    qkv, freqs, key_mask, sm_scale, causal, interleaved, tensor_format = inputs
+    o, lse, rk, trig = output
+    ctx.mark_non_differentiable(lse, rk, trig)  # only o carries a gradient, and autograd would
+    ctx.set_materialize_grads(False)  # otherwise fill zero gradients as large as rk for the others
+    ctx.packed = len(qkv) == 1  # q and v, or packed qkv whole (they are views of it); k is not needed, rk is
+    ctx.save_for_backward(*(qkv if ctx.packed else (qkv[0], qkv[2])), rk, o, lse, trig, key_mask)
+    ctx.args = freqs.shape[3], sm_scale, causal, interleaved, tensor_format
 
 
-def _backward_of_forward_op(ctx, do, _lse, _rq, _rk, _trig):
-    return backward_op(do, *ctx.saved_tensors, *ctx.args), None, None, None, None, None, None, None
+def _backward_of_forward_op(ctx, do, _lse, _rk, _trig):
+    n = 1 if ctx.packed else 2
+    return backward_op(do, list(ctx.saved_tensors[:n]), *ctx.saved_tensors[n:], *ctx.args), *[None] * 6
 
 
 forward_op.register_autograd(_backward_of_forward_op, setup_context=_save_for_backward)
@@ -741,17 +733,18 @@ forward_op.register_autograd(_backward_of_forward_op, setup_context=_save_for_ba
 def _check(q, k, v, freqs, attention_mask, sm_scale, tensor_format):
     if tensor_format not in ("bshd", "sbhd"):
         raise ValueError(f"tensor_format must be 'bshd' or 'sbhd', got {tensor_format!r}")
-    for x, name in ((q, "q"), (k, "k"), (v, "v"), (freqs, "freqs")):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.device != q.device:
+    for name, x in dict(q=q, k=k, v=v, freqs=freqs, attention_mask=attention_mask).items():
+        if not isinstance(x, torch.Tensor) and not (name == "attention_mask" and x is None):
+            raise TypeError(f"{name} must be a torch.Tensor{' or None' if name == 'attention_mask' else ''}, "
+                            f"got {type(x).__name__}")
+        if x is not None and x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
-    for x, name in ((k, "k"), (v, "v")):
+    for name, x in dict(k=k, v=v).items():
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
-    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+    for name, x in dict(q=q, k=k, v=v).items():
         if x.dim() != 4:
             raise ValueError(f"{name} must be 4-D [{', '.join(tensor_format)}], got shape {tuple(x.shape)}")
     if k.shape != v.shape:
@@ -761,7 +754,7 @@ def _check(q, k, v, freqs, attention_mask, sm_scale, tensor_format):
                          f"q is {tuple(q.shape)}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"q's {q.shape[2]} heads must be a multiple of k's {k.shape[2]} (grouped-query attention)")
-    head_dim, seqlen = q.shape[3], q.shape[0 if tensor_format == "sbhd" else 1]
+    (seqlen, batch), head_dim = q.shape[:2] if tensor_format == "sbhd" else q.shape[1::-1], q.shape[3]
     if not 16 <= head_dim <= 128:
         raise ValueError(f"head dim must be between 16 and 128, got {head_dim}")
     if freqs.dtype != torch.float32 or freqs.dim() != 4 or freqs.shape[1:3] != (1, 1):
@@ -772,17 +765,10 @@ def _check(q, k, v, freqs, attention_mask, sm_scale, tensor_format):
         raise ValueError(f"sequence length {seqlen} is over the {freqs.shape[0]} rows (s2) of freqs")
     if freqs.requires_grad and torch.is_grad_enabled():
         raise ValueError("freqs requires grad, but no gradient flows to the angle table; pass freqs.detach()")
-    if attention_mask is not None:
-        batch = q.shape[1 if tensor_format == "sbhd" else 0]
-        if not isinstance(attention_mask, torch.Tensor):
-            raise TypeError(f"attention_mask must be a torch.Tensor or None, got {type(attention_mask).__name__}")
-        if attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex:
-            raise TypeError(f"attention_mask must be bool or integer (1 = token, 0 = padding), got {attention_mask.dtype}")
-        if attention_mask.shape != (batch, seqlen):
-            raise ValueError(f"attention_mask must have shape [b, s] = [{batch}, {seqlen}], got "
-                             f"{tuple(attention_mask.shape)}")
-        if attention_mask.device != q.device:
-            raise ValueError(f"attention_mask is on {attention_mask.device} but q is on {q.device}")
+    if attention_mask is not None and (attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex):
+        raise TypeError(f"attention_mask must be bool or integer (1 = token, 0 = padding), got {attention_mask.dtype}")
+    if attention_mask is not None and attention_mask.shape != (batch, seqlen):
+        raise ValueError(f"attention_mask must have shape [b, s] = [{batch}, {seqlen}], got {tuple(attention_mask.shape)}")
     if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))):
         raise TypeError(f"sm_scale must be a number or None, got {type(sm_scale).__name__}")
     if sm_scale is not None and not 0 < sm_scale < math.inf:
@@ -793,8 +779,7 @@ def _attention(qkv, q, k, v, freqs, causal, attention_mask, sm_scale, interleave
     _check(q, k, v, freqs, attention_mask, sm_scale, tensor_format)
     key_mask = attention_mask.to(torch.int8).contiguous() if attention_mask is not None else None
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    save_rotated = torch.is_grad_enabled() and any(x.requires_grad for x in qkv)  # else rq is not written
-    return forward_op(qkv, freqs, key_mask, sm_scale, causal, interleaved, tensor_format, save_rotated)[0]
+    return forward_op(qkv, freqs, key_mask, sm_scale, causal, interleaved, tensor_format)[0]
 
 
 def rope_attention(q, k, v, freqs, *, causal=False, attention_mask=None, sm_scale=None, interleaved=False,
@@ -959,16 +944,14 @@ def _providers(freqs, causal, mask, rope03, b, s, dtype):
 
 
 def measure(b, h, s, d, causal, padded, rope03, providers=None):
-    """Rows of fwd and fwd+bwd timings at one shape: ours and (on a GPU) the unfused paths."""
+    """Rows of forward and forward + backward timings at one shape, for each provider (or those named)."""
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
     q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
     freqs, mask = rope_freqs(s, d, device=DEVICE), None
     if padded:  # Hugging Face style: each sequence is padded after a random length
-        lengths = torch.randint(s // 2, s + 1, (b,), device=DEVICE)
-        mask = torch.arange(s, device=DEVICE)[None, :] < lengths[:, None]
-    fns = _providers(freqs, causal, mask, rope03, b, s, dtype)
+        mask = torch.arange(s, device=DEVICE)[None, :] < torch.randint(s // 2, s + 1, (b, 1), device=DEVICE)
     flops, dout, rows = 4 * b * h * s * s * d * (0.5 if causal else 1.0), torch.randn_like(q), []
-    for name, fn in fns.items():
+    for name, fn in _providers(freqs, causal, mask, rope03, b, s, dtype).items():
         if providers is not None and not any(p in name for p in providers):
             continue
         try:
@@ -976,21 +959,20 @@ def measure(b, h, s, d, causal, padded, rope03, providers=None):
         except Exception as e:  # noqa: BLE001  (a backend that does not take this shape)
             print(f"{(b, h, s, d)} causal={causal} mask={padded} {name}: n/a ({type(e).__name__})")
             continue
-        fwd_ms, fwd_how = _time_ms(lambda: fn(q, k, v))
-        both_ms, both_how = _time_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout))
+        (fwd_ms, fwd_how), (both_ms, both_how) = (_time_ms(lambda: fn(q, k, v)), _time_ms(
+            lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout)))
         peak_mb = float("nan")
         if DEVICE.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
             peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
-        row = dict(shape=(b, h, s, d), causal=causal, padded=padded, provider=name, fwd_ms=fwd_ms,
-                   both_ms=both_ms, fwd_tflops=flops / fwd_ms / 1e9, both_tflops=3.5 * flops / both_ms / 1e9,
-                   peak_mb=peak_mb, timing=fwd_how if fwd_how == both_how else f"{fwd_how}/{both_how}")
-        rows.append(row)
-        print(f"{str(row['shape']):>20} causal={causal!s:5} mask={padded!s:5} {name:>38} fwd {fwd_ms * 1e3:8.1f} us "
-              f"{row['fwd_tflops']:6.1f} TF/s  fwd+bwd {both_ms * 1e3:8.1f} us {row['both_tflops']:6.1f} TF/s  "
-              f"peak +{peak_mb:.0f} MiB ({row['timing']})")
+        rows.append(dict(shape=(b, h, s, d), causal=causal, padded=padded, provider=name, fwd_ms=fwd_ms,
+                         both_ms=both_ms, fwd_tflops=flops / fwd_ms / 1e9, both_tflops=3.5 * flops / both_ms / 1e9,
+                         peak_mb=peak_mb, timing=fwd_how if fwd_how == both_how else f"{fwd_how}/{both_how}"))
+        print(f"{str((b, h, s, d)):>20} causal={causal!s:5} mask={padded!s:5} {name:>38} fwd {fwd_ms * 1e3:8.1f} us "
+              f"{rows[-1]['fwd_tflops']:6.1f} TF/s  fwd+bwd {both_ms * 1e3:8.1f} us {rows[-1]['both_tflops']:6.1f} "
+              f"TF/s  peak +{peak_mb:.0f} MiB ({rows[-1]['timing']})")
     return rows
 
 
@@ -1007,30 +989,18 @@ def benchmark():
     return [r for shape in BENCH_SHAPES for r in measure(*shape, rope03)], yardstick
 
 
-def markdown_table(rows, yardstick):
-    lines = ["| (b, h, s, d) | causal | padding mask | provider | fwd TF/s | fwd+bwd TF/s | of the matmul, "
-             "fwd / fwd+bwd | peak extra memory, fwd+bwd | timing |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        of_matmul = f"{r['fwd_tflops'] / yardstick:.0%} / {r['both_tflops'] / yardstick:.0%}" if yardstick else "n/a"
-        lines.append(f"| {r['shape']} | {r['causal']} | {r['padded']} | {r['provider']} | {r['fwd_tflops']:.0f} "
-                     f"({r['fwd_ms'] * 1e3:.0f} us) | {r['both_tflops']:.0f} ({r['both_ms'] * 1e3:.0f} us) | "
-                     f"{of_matmul} | {r['peak_mb']:.0f} MiB | {r['timing']} |")
-    return "\n".join(lines)
-
-
-def environment():
-    gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "none (Triton interpreter)"
-    return (f"device: {gpu}; date: {datetime.date.today()}; torch {torch.__version__}; "
-            f"triton {triton.__version__}; python {platform.python_version()}")
-
-
 def save_results(rows, yardstick, results_dir, command):
-    """results/04_rope_attention_<gpu>.md (the table) and .png (the plot), <gpu> as in 'H100'."""
-    os.makedirs(results_dir, exist_ok=True)
+    """results/04_rope_attention_<gpu>.md (the table, which is also returned) and .png (the plot)."""
     gpu = next((w for w in torch.cuda.get_device_name().split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
     stem = os.path.join(results_dir, f"04_rope_attention_{gpu}")
     with open(__file__, "rb") as f:  # names the code measured (a copy's git history may be stale)
         md5 = hashlib.md5(f.read()).hexdigest()
+    table = ["| (b, h, s, d) | causal | padding mask | provider | fwd TF/s | fwd+bwd TF/s | of the matmul, fwd / "
+             "fwd+bwd | peak extra memory, fwd+bwd | timing |", "|---|---|---|---|---|---|---|---|---|"]
+    table += [f"| {r['shape']} | {r['causal']} | {r['padded']} | {r['provider']} | {r['fwd_tflops']:.0f} ({r['fwd_ms'] * 1e3:.0f}"
+              f" us) | {r['both_tflops']:.0f} ({r['both_ms'] * 1e3:.0f} us) | {r['fwd_tflops'] / yardstick:.0%} / "
+              f"{r['both_tflops'] / yardstick:.0%} | {r['peak_mb']:.0f} MiB | {r['timing']} |" for r in rows]
+    os.makedirs(results_dir, exist_ok=True)
     with open(stem + ".md", "w") as f:
         f.write(f"# RoPE + attention on the {gpu}: fused against RoPE then attention\n\n{environment()}; "
                 f"04_rope_attention.py md5 {md5}\n\nCommand: `{command}`. Raw log: `{os.path.basename(stem)}.log`."
@@ -1038,14 +1008,14 @@ def save_results(rows, yardstick, results_dir, command):
                 "way.\n\nbf16. TF/s count 4*b*h*s^2*d FLOPs, halved when causal, x3.5 for forward + backward. "
                 "'graph': GPU time replayed from a CUDA graph (median of three do_bench_cudagraph(rep=40) medians); "
                 "'stream': do_bench. Peak extra memory: what one forward + backward allocated above the inputs."
-                f"\n\n{markdown_table(rows, yardstick)}\n")
+                "\n\n" + "\n".join(table) + "\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
-        return
+        return "\n".join(table)
     groups = list(dict.fromkeys((r["shape"], r["causal"], r["padded"]) for r in rows))
     providers = list(dict.fromkeys(r["provider"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(15, 4.8))
@@ -1060,6 +1030,13 @@ def save_results(rows, yardstick, results_dir, command):
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(stem + ".png", dpi=120)
+    return "\n".join(table)
+
+
+def environment():
+    gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "none (Triton interpreter)"
+    return (f"device: {gpu}; date: {datetime.date.today()}; torch {torch.__version__}; triton {triton.__version__}; "
+            f"python {platform.python_version()}")
 
 
 if __name__ == "__main__":
@@ -1071,5 +1048,4 @@ if __name__ == "__main__":
     self_check()
     rows, yardstick = benchmark()
     if DEVICE.type == "cuda":
-        save_results(rows, yardstick, args.results, "python " + " ".join(sys.argv))
-        print("\n" + markdown_table(rows, yardstick))
+        print("\n" + save_results(rows, yardstick, args.results, "python " + " ".join(sys.argv)))
