@@ -5,8 +5,8 @@ RoPE fused into attention, forward and backward
 In this tutorial, you will learn about:
 
 * where the rotation belongs: RoPE is O(s) work and attention O(s^2), so K is rotated once, in a
-  pass of its own, and q in the forward's prologue and again in the backward's first kernel; no
-  attention loop rotates anything;
+  pass of its own, and q in the forward's prologue; both are saved rotated, and no attention loop
+  rotates anything;
 * a layout for the rotated tensors (the halves of each pair side by side, zero-padded) in which
   every loop loads one whole tile per step and computes QK^T as one dot;
 * the backward: gradients accumulate in the rotated basis and are rotated back once, as dk and
@@ -109,16 +109,17 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 #   RoPE's backward reads and writes dq and dk (4U): 8U + 12U.
 # - Rotating each K tile inside the loop saves those bytes but rotates every K tile once per block
 #   of queries: O(s^2 / BLOCK_M) rotations, on the loop that sets the pace.
-# - Here: a pass rotates K once (2U) and the forward rotates its q tile in the prologue; attention
-#   reads 4U. The rotated k (rk) is saved; the backward's first kernel, which reads every query row
-#   anyway, rotates q again into rq (2U), and dk and dq are rotated back as they are stored:
-#   6U + 10U, and every loop is plain FlashAttention. Rotating q in the backward rather than saving
-#   it from the forward keeps the forward lean (at s = 512 writing rq was 2-3% of it) and frees rq's
-#   memory between forward and backward, for q itself is kept anyway.
+# - Here: a pass rotates K once (2U); the forward rotates its q tile in the prologue and, when a
+#   backward will run, saves it (1U); attention reads 4U. The backward reads the saved rq and rk
+#   and rotates dk and dq back as they are stored: 7U + 8U, and every loop is plain FlashAttention.
 # Against rotating K in the loops (results/04_rope_attention_ab.log, an H100 and an H200), forward
 # + backward is 1-8% faster at s = 512 and 8-15% from s = 1024; the forward alone is 3-14% slower
 # at s = 512 (the pass is a large share of a short loop), 1-6% slower at 1024 and 10-20% faster
-# from 2048. Training always runs the backward: one design is kept, this one.
+# from 2048. Training always runs the backward: one design is kept, this one. Not saving rq, but
+# rotating q again in the backward's first kernel (which reads every query row anyway), makes the
+# forward 2-6% faster at s = 512 and holds 1U less between forward and backward, but forward +
+# backward 2-3% slower at s = 512 and 0-1.5% from 2048 (results/04_rope_attention_ab.log): the write
+# moves from a kernel bound by arithmetic into one bound by bytes.
 # The pass also takes cos and sin once per position for all heads, into a float32 table
 # [s, 4 * HALF] that the other kernels read (libdevice's sin and cos per element in the prologue
 # cost as much as the whole loop at s = 512), and it loads BLOCK_S positions of all heads as one
@@ -294,13 +295,13 @@ def _masked(x, q_idx, k_idx, seqlen, key_mask_row, fill, diagonal, CAUSAL: tl.co
 
 @triton.jit
 def rope_attn_fwd_kernel(
-    q_ptr, rk_ptr, v_ptr, o_ptr, lse_ptr, trig_ptr, key_mask_ptr,
+    q_ptr, rk_ptr, v_ptr, o_ptr, lse_ptr, rq_ptr, trig_ptr, key_mask_ptr,
     qk_scale, seqlen, n_heads, group, half, n_pass,
     stride_qb, stride_qs, stride_qh, stride_qd, stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_os, stride_oh, stride_od,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     W: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr,
+    HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, SAVE_RQ: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One block of queries of one head: the output rows and their log-sum-exp (base 2)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -309,12 +310,17 @@ def rope_attn_fwd_kernel(
     m_ok = (offs_m < seqlen)[:, None]
     j, c, d = tl.arange(0, 2 * HALF)[None, :], tl.arange(0, PASS)[None, :], tl.arange(0, D)[None, :]
     head_dim = 2 * half + n_pass
-    # prologue: this block's q rows rotated, the halves side by side, rounded to q's dtype
+    # prologue: this block's q rows rotated, the halves side by side, rounded to q's dtype, saved for the backward
     q_rows = q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
     cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, offs_m, m_ok, HALF)
     q_a, q_b = _load_rotated(q_rows, stride_qd, m_ok, cos_a, sin_a, cos_b, sin_b, half, HALF, INTERLEAVED)
     q_r = tl.reshape(tl.permute(tl.join(q_a, q_b), (0, 2, 1)), (BLOCK_M, 2 * HALF)).to(q_ptr.dtype.element_ty)
     q_p = tl.load(q_rows + (2 * half + c) * stride_qd, mask=m_ok & (c < n_pass), other=0.0)  # 0s without HAS_PASS
+    if SAVE_RQ:
+        rq_rows = rq_ptr + bh.to(tl.int64) * seqlen * W + offs_m[:, None] * W
+        tl.store(rq_rows + j, q_r, mask=m_ok)
+        if HAS_PASS:
+            tl.store(rq_rows + 2 * HALF + c, q_p, mask=m_ok & (c < n_pass))
     rk_head = rk_ptr + (bh // group).to(tl.int64) * seqlen * W  # rk is [b, h_kv, s, W]: row b * h_kv + h // group
     v_head = v_ptr + b * stride_vb + (h // group) * stride_vh
     key_mask_row = key_mask_ptr + b * seqlen
@@ -352,38 +358,27 @@ def rope_attn_fwd_kernel(
 
 
 @triton.jit
-def rope_attn_bwd_prep_kernel(
-    q_ptr, o_ptr, do_ptr, rq_ptr, delta_ptr, dq_acc_ptr, trig_ptr, seqlen, n_heads, half, n_pass,
-    stride_qb, stride_qs, stride_qh, stride_qd, stride_ob, stride_os, stride_oh, stride_od,
-    stride_db, stride_ds, stride_dh, stride_dd, BLOCK_M: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
-    D: tl.constexpr, W: tl.constexpr, W_TILE: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr,
-    ZERO_DQ: tl.constexpr,
-):
-    """The backward's pass over the query rows of one head: rq = R q in the rotated layout (the values
-    the forward's prologue computed; all lanes, pads 0), delta = rowsum(dO * O) (the softmax
-    backward's dP correction) and, with ZERO_DQ, these rows of the float32 dq sum zeroed (here, where
-    the rows are visited anyway, rather than by a memset: one launch fewer)."""
+def rope_attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, dq_acc_ptr, seqlen, n_heads, head_dim,
+                               stride_ob, stride_os, stride_oh, stride_od, stride_db, stride_ds, stride_dh, stride_dd,
+                               BLOCK_M: tl.constexpr, D: tl.constexpr, W: tl.constexpr, W_TILE: tl.constexpr,
+                               ZERO_DQ: tl.constexpr):
+    """delta = rowsum(dO * O): the softmax backward's dP correction, one value per query row; with
+    ZERO_DQ, also zero these rows of the float32 dq buffer [b, h, s, W] the dkdv kernel adds into
+    (here, where the rows are visited anyway, rather than by a memset: one launch fewer)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok, rows = (offs_m < seqlen)[:, None], offs_m.to(tl.int64)[:, None]
-    i, c, d = tl.arange(0, HALF)[None, :], tl.arange(0, PASS)[None, :], tl.arange(0, D)[None, :]
-    row_stats = bh.to(tl.int64) * seqlen + offs_m
-    q_rows, rq_rows = q_ptr + b * stride_qb + h * stride_qh + rows * stride_qs, rq_ptr + row_stats[:, None] * W
-    cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, offs_m, m_ok, HALF)
-    q_a, q_b = _load_rotated(q_rows, stride_qd, m_ok, cos_a, sin_a, cos_b, sin_b, half, HALF, INTERLEAVED)
-    tl.store(rq_rows + i, q_a.to(rq_ptr.dtype.element_ty), mask=m_ok)
-    tl.store(rq_rows + HALF + i, q_b.to(rq_ptr.dtype.element_ty), mask=m_ok)
-    if HAS_PASS:
-        tl.store(rq_rows + 2 * HALF + c, tl.load(q_rows + (2 * half + c) * stride_qd, mask=m_ok & (c < n_pass)),
-                 mask=m_ok & (c < n_pass))
-    mask = m_ok & (d < 2 * half + n_pass)
+    d = tl.arange(0, D)[None, :]
+    mask = (offs_m < seqlen)[:, None] & (d < head_dim)
+    rows = offs_m.to(tl.int64)[:, None]
     o = tl.load(o_ptr + b * stride_ob + h * stride_oh + rows * stride_os + d * stride_od, mask=mask, other=0.0)
     do = tl.load(do_ptr + b * stride_db + h * stride_dh + rows * stride_ds + d * stride_dd, mask=mask, other=0.0)
+    row_stats = bh.to(tl.int64) * seqlen + offs_m
     tl.store(delta_ptr + row_stats, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < seqlen)
     if ZERO_DQ:
         j = tl.arange(0, W_TILE)[None, :]
-        tl.store(dq_acc_ptr + row_stats[:, None] * W + j, tl.zeros((BLOCK_M, W_TILE), tl.float32), mask=m_ok & (j < W))
+        tl.store(dq_acc_ptr + row_stats[:, None] * W + j, tl.zeros((BLOCK_M, W_TILE), tl.float32),
+                 mask=(offs_m < seqlen)[:, None] & (j < W))
 
 
 @triton.jit
@@ -581,54 +576,47 @@ def _rope_pass(x, y, freqs, trig, scale, dims, interleaved, tensor_format, to_ro
         TO_ROTATED=to_rotated, num_warps=PASS_CONFIG["num_warps"])
 
 
-def _forward_outputs(q, k, freqs, tensor_format):
-    """Empty (o, lse, rk, trig); trig is the float32 table [s, 4 * HALF] of cos_a, sin_a, cos_b, sin_b per position."""
+def _forward_outputs(q, k, freqs, tensor_format, save_rotated):
+    """Empty (o, lse, rq, rk, trig); rq is empty when no backward will run; trig is the float32
+    table [s, 4 * HALF] of cos_a, sin_a, cos_b, sin_b per position."""
     dims = _dims(q, k, freqs.shape[3], tensor_format)
     b, s, h, h_kv, w = (dims[key] for key in ("batch", "seqlen", "n_heads", "n_kv_heads", "W"))
-    return (q.new_empty(q.shape), q.new_empty(b, h, s, dtype=torch.float32), q.new_empty(b, h_kv, s, w),
+    rq = q.new_empty(b, h, s, w) if save_rotated else q.new_empty(0)
+    return (q.new_empty(q.shape), q.new_empty(b, h, s, dtype=torch.float32), rq, q.new_empty(b, h_kv, s, w),
             q.new_empty(s, 4 * dims["HALF"], dtype=torch.float32))
 
 
-def _forward(q, k, v, freqs, key_mask, sm_scale, causal, interleaved, tensor_format):
+def _forward(q, k, v, freqs, key_mask, sm_scale, causal, interleaved, tensor_format, save_rotated):
     dims = _dims(q, k, freqs.shape[3], tensor_format)
-    o, lse, rk, trig = _forward_outputs(q, k, freqs, tensor_format)
+    o, lse, rq, rk, trig = _forward_outputs(q, k, freqs, tensor_format, save_rotated)
     _rope_pass(k, rk, freqs, trig, 1.0, dims, interleaved, tensor_format, to_rotated=True)
     cfg = _config("fwd", dims["head_dim"], dims["seqlen"], causal)
     rope_attn_fwd_kernel[(triton.cdiv(dims["seqlen"], cfg["BLOCK_M"]), dims["batch"] * dims["n_heads"])](
-        q, rk, v, o, lse, trig, key_mask if key_mask is not None else lse, sm_scale * LOG2E, dims["seqlen"],
+        q, rk, v, o, lse, rq, trig, key_mask if key_mask is not None else lse, sm_scale * LOG2E, dims["seqlen"],
         dims["n_heads"], dims["n_heads"] // dims["n_kv_heads"], dims["half"], dims["n_pass"],
         *(st for x in (q, v, o) for st in _strides(x, tensor_format)), HALF=dims["HALF"], PASS=dims["PASS"],
         D=dims["D"], W=dims["W"], INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0, CAUSAL=causal,
         HAS_MASK=key_mask is not None, EVEN_N=dims["seqlen"] % cfg["BLOCK_N"] == 0, EVEN_D=dims["D"] == dims["head_dim"],
-        WIDE=_wide(dims, tensor_format, q, v, o), **cfg)
-    return o, lse, rk, trig
+        SAVE_RQ=save_rotated, WIDE=_wide(dims, tensor_format, q, v, o), **cfg)
+    return o, lse, rq, rk, trig
 
 
-def _backward_prep(q, o, do, lse, trig, dims, interleaved, tensor_format, zero_dq):
-    """(rq, delta, the float32 dq sum, zeroed; or lse in its place, unused, without zero_dq)."""
-    b, s, h, w = (dims[key] for key in ("batch", "seqlen", "n_heads", "W"))
-    rq, delta = q.new_empty(b, h, s, w), torch.empty_like(lse)
-    dq_acc = torch.empty(b, h, s, w, device=q.device, dtype=torch.float32) if zero_dq else lse
-    rope_attn_bwd_prep_kernel[(triton.cdiv(s, 64), b * h)](
-        q, o, do, rq, delta, dq_acc, trig, s, h, dims["half"], dims["n_pass"],
-        *(st for x in (q, o, do) for st in _strides(x, tensor_format)), BLOCK_M=64, HALF=dims["HALF"],
-        PASS=dims["PASS"], D=dims["D"], W=w, W_TILE=_pow2(w, 16), INTERLEAVED=interleaved,
-        HAS_PASS=dims["n_pass"] > 0, ZERO_DQ=zero_dq)
-    return rq, delta, dq_acc
-
-
-def _backward(do, q, rk, v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, tensor_format, dq, dk, dv):
+def _backward(do, rq, rk, v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, tensor_format, dq, dk, dv):
     """Write the gradients into dq, dk and dv (any strides: views of one tensor work)."""
-    dims = _dims(q, dk, rot_dim, tensor_format)
+    dims = _dims(dq, dk, rot_dim, tensor_format)
     b, s, h, h_kv, w, D = (dims[key] for key in ("batch", "seqlen", "n_heads", "n_kv_heads", "W", "D"))
     strides = lambda *xs: [st for x in xs for st in _strides(x, tensor_format)]  # noqa: E731
     common = dict(HALF=dims["HALF"], PASS=dims["PASS"], D=D, W=w, INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0,
                   CAUSAL=causal, HAS_MASK=key_mask is not None, EVEN_D=D == dims["head_dim"],
-                  WIDE=_wide(dims, tensor_format, q, v, do, dq, dk, dv))
+                  WIDE=_wide(dims, tensor_format, v, do, dq, dk, dv))
     scalars = (sm_scale * LOG2E, s, h, h // h_kv, dims["half"], dims["n_pass"])
     key_mask = key_mask if key_mask is not None else lse  # (unused without HAS_MASK)
     atomic_dq = not torch.are_deterministic_algorithms_enabled()  # else the dq kernel: a fixed order of sums
-    rq, delta, dq_acc = _backward_prep(q, o, do, lse, trig, dims, interleaved, tensor_format, zero_dq=atomic_dq)
+    dq_acc = torch.empty(b, h, s, w, device=dq.device, dtype=torch.float32) if atomic_dq else lse
+    delta = torch.empty_like(lse)
+    rope_attn_bwd_delta_kernel[(triton.cdiv(s, 64), b * h)](
+        o, do, delta, dq_acc, s, h, dims["head_dim"], *strides(o, do), BLOCK_M=64, D=D, W=w, W_TILE=_pow2(w, 16),
+        ZERO_DQ=atomic_dq)
     cfg = _config("dkdv", dims["head_dim"])
     rope_attn_bwd_dkdv_kernel[(triton.cdiv(s, cfg["BLOCK_N"]), b * h_kv)](
         rq, rk, v, do, dk, dv, dq_acc, lse, delta, trig, key_mask, *scalars, *strides(v, do, dk, dv),
@@ -665,32 +653,37 @@ def _unpack(qkv):
 
 
 def _forward_impl(qkv: List[Tensor], freqs: Tensor, key_mask: Optional[Tensor], sm_scale: float, causal: bool,
-                  interleaved: bool, tensor_format: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _forward(*_unpack(qkv), freqs, key_mask, sm_scale, causal, interleaved, tensor_format)
+                  interleaved: bool, tensor_format: str, save_rotated: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _forward(*_unpack(qkv), freqs, key_mask, sm_scale, causal, interleaved, tensor_format, save_rotated)
 
 
-def _forward_fake(qkv, freqs, key_mask, sm_scale, causal, interleaved, tensor_format):
+def _forward_fake(qkv, freqs, key_mask, sm_scale, causal, interleaved, tensor_format, save_rotated):
     q, k, _ = _unpack(qkv)
-    return _forward_outputs(q, k, freqs, tensor_format)
+    return _forward_outputs(q, k, freqs, tensor_format, save_rotated)
 
 
-def _gradients(qv):
-    """Empty gradients: [dqkv] for packed [qkv], else [dq, dk, dv] for [q, v] (k has v's shape)."""
-    return [x.new_empty(x.shape) for x in (qv if len(qv) == 1 else (qv[0], qv[1], qv[1]))]
+def _gradients(qkv_or_v, rq, tensor_format, packed):
+    """Empty gradients: [dqkv] for packed qkv, else [dq, dk, dv] (dq's shape from rq [b, h, s, W])."""
+    if packed:
+        return [qkv_or_v.new_empty(qkv_or_v.shape)]
+    v, (b, h, s) = qkv_or_v, rq.shape[:3]
+    dq = v.new_empty((s, b, h, v.shape[3]) if tensor_format == "sbhd" else (b, s, h, v.shape[3]))
+    return [dq, v.new_empty(v.shape), v.new_empty(v.shape)]
 
 
-def _backward_impl(do: Tensor, qv: List[Tensor], rk: Tensor, o: Tensor, lse: Tensor, trig: Tensor,
+def _backward_impl(do: Tensor, rq: Tensor, rk: Tensor, qkv_or_v: Tensor, o: Tensor, lse: Tensor, trig: Tensor,
                    key_mask: Optional[Tensor], rot_dim: int, sm_scale: float, causal: bool, interleaved: bool,
-                   tensor_format: str) -> List[Tensor]:
-    grads = _gradients(qv)
-    q, _, v = _unpack(qv) if len(qv) == 1 else (qv[0], None, qv[1])
-    _backward(do, q, rk, v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, tensor_format,
-              *(grads[0].unbind(2) if len(qv) == 1 else grads))
+                   tensor_format: str, packed: bool) -> List[Tensor]:
+    grads = _gradients(qkv_or_v, rq, tensor_format, packed)
+    v = qkv_or_v.unbind(2)[2] if packed else qkv_or_v
+    _backward(do, rq, rk, v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, tensor_format,
+              *(grads[0].unbind(2) if packed else grads))
     return grads
 
 
-def _backward_fake(do, qv, rk, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, tensor_format):
-    return _gradients(qv)
+def _backward_fake(do, rq, rk, qkv_or_v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved,
+                   tensor_format, packed):
+    return _gradients(qkv_or_v, rq, tensor_format, packed)
 
 
 def _custom_op(name, fn, fake):
@@ -708,18 +701,17 @@ backward_op = _custom_op("backward", _backward_impl, _backward_fake)
 
 
 def _save_for_backward(ctx, inputs, output):
-    qkv, freqs, key_mask, sm_scale, causal, interleaved, tensor_format = inputs
-    o, lse, rk, trig = output
-    ctx.mark_non_differentiable(lse, rk, trig)  # only o carries a gradient, and autograd would
-    ctx.set_materialize_grads(False)  # otherwise fill zero gradients as large as rk for the others
-    ctx.packed = len(qkv) == 1  # q and v, or packed qkv whole (they are views of it); k is not needed, rk is
-    ctx.save_for_backward(*(qkv if ctx.packed else (qkv[0], qkv[2])), rk, o, lse, trig, key_mask)
-    ctx.args = freqs.shape[3], sm_scale, causal, interleaved, tensor_format
+    qkv, freqs, key_mask, sm_scale, causal, interleaved, tensor_format, _ = inputs
+    o, lse, rq, rk, trig = output
+    ctx.mark_non_differentiable(lse, rq, rk, trig)  # only o carries a gradient, and autograd would
+    ctx.set_materialize_grads(False)  # otherwise fill zero gradients as large as rq and rk for the others
+    # v, or for packed qkv the whole of it (v is a view of it); q and k are not needed, rq and rk are
+    ctx.save_for_backward(rq, rk, qkv[2] if len(qkv) == 3 else qkv[0], o, lse, trig, key_mask)
+    ctx.args = freqs.shape[3], sm_scale, causal, interleaved, tensor_format, len(qkv) == 1
 
 
-def _backward_of_forward_op(ctx, do, _lse, _rk, _trig):
-    n = 1 if ctx.packed else 2
-    return backward_op(do, list(ctx.saved_tensors[:n]), *ctx.saved_tensors[n:], *ctx.args), *[None] * 6
+def _backward_of_forward_op(ctx, do, _lse, _rq, _rk, _trig):
+    return backward_op(do, *ctx.saved_tensors, *ctx.args), None, None, None, None, None, None, None
 
 
 forward_op.register_autograd(_backward_of_forward_op, setup_context=_save_for_backward)
@@ -779,7 +771,8 @@ def _attention(qkv, q, k, v, freqs, causal, attention_mask, sm_scale, interleave
     _check(q, k, v, freqs, attention_mask, sm_scale, tensor_format)
     key_mask = attention_mask.to(torch.int8).contiguous() if attention_mask is not None else None
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return forward_op(qkv, freqs, key_mask, sm_scale, causal, interleaved, tensor_format)[0]
+    save_rotated = torch.is_grad_enabled() and any(x.requires_grad for x in qkv)  # else rq is not written
+    return forward_op(qkv, freqs, key_mask, sm_scale, causal, interleaved, tensor_format, save_rotated)[0]
 
 
 def rope_attention(q, k, v, freqs, *, causal=False, attention_mask=None, sm_scale=None, interleaved=False,

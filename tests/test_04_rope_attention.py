@@ -241,7 +241,7 @@ def test_same_loss_and_gradients_as_rope03_then_sdpa():
 
 @pytest.mark.skipif(not ON_GPU, reason="peak memory is measured on the GPU")
 def test_forward_backward_memory_grows_linearly_in_s():
-    """No s x s buffer: what one forward + backward allocates beyond its inputs (rk, rq, the float32
+    """No s x s buffer: what one forward + backward allocates beyond its inputs (rq, rk, the float32
     dq sum, the cos/sin table, the gradients) doubles when s doubles, where an s x s one would
     quadruple (the discriminating check), and stays well below one bf16 s x s matrix: at one head of
     dim 64 the O(s) buffers take about 2.4 KB a token, a sixth of that matrix at s = 8192."""
@@ -345,19 +345,18 @@ def test_opcheck(packed):
     mask = padding_mask(b, s, fully_padded=False).to(torch.int8)
     qkv = ([torch.randn(b, s, 3, h, d, device=DEVICE, dtype=torch.float16, requires_grad=True)] if packed else
            [torch.randn(b, s, h, d, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3)])
-    args = (qkv, freqs, mask, 0.25, True, False, "bshd")
+    args = (qkv, freqs, mask, 0.25, True, False, "bshd", True)
     torch.library.opcheck(attn.forward_op, args)
-    o, lse, rk, trig = (x.detach() for x in attn.forward_op(*args))  # the backward op has no backward
-    assert rk.shape == (b, h, s, 32) and trig.shape == (s, 4 * 16)
-    saved = [qkv[0].detach()] if packed else [qkv[0].detach(), qkv[2].detach()]  # what the forward saves
-    torch.library.opcheck(attn.backward_op, (torch.randn_like(o), saved, rk, o, lse, trig, mask, d, 0.25, True,
-                                             False, "bshd"))
+    o, lse, rq, rk, trig = (x.detach() for x in attn.forward_op(*args))  # the backward op has no backward
+    assert rq.shape == (b, h, s, 32) and rk.shape == (b, h, s, 32) and trig.shape == (s, 4 * 16)
+    saved = (qkv[0] if packed else qkv[2]).detach()
+    torch.library.opcheck(attn.backward_op, (torch.randn_like(o), rq, rk, saved, o, lse, trig, mask, d, 0.25, True,
+                                             False, "bshd", packed))
 
 
 def test_rotated_layout_is_zero_padded():
     """rq and rk hold each row as [a members | pad | b members | pad | pass-through]; the pad lanes
-    are zeros (the attention loops read them whole), and the rows are RoPE(q) and RoPE(k). rk comes
-    from the forward, rq from the backward's first kernel."""
+    are zeros (they are read whole by the attention loops), and q's rotated copy is RoPE(q)."""
     torch.manual_seed(5)
     b, s, h, d, d2 = 2, 30, 2, 64, 44  # 22 pairs, padded to 32: W = 2 * 32 + 20
     q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3))
@@ -365,9 +364,7 @@ def test_rotated_layout_is_zero_padded():
         with torch.no_grad():
             x[..., d2:] += 1.0  # pass-through channels away from 0
     freqs = torch.randn(s, 1, 1, d2, device=DEVICE)
-    o, lse, rk, trig = attn.forward_op([q, k, v], freqs, None, 0.125, False, True, "bshd")
-    dims = attn._dims(q, k, d2, "bshd")
-    rq, _, _ = attn._backward_prep(q.detach(), o, torch.zeros_like(o), lse, trig, dims, True, "bshd", zero_dq=True)
+    _, _, rq, rk, _ = attn.forward_op([q, k, v], freqs, None, 0.125, False, True, "bshd", True)
     assert rq.shape == rk.shape == (b, h, s, 84)
     for x, rx in ((q, rq), (k, rk)):
         expected = attn.rope_reference(x, freqs, interleaved=True).transpose(1, 2)
