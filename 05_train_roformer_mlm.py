@@ -841,10 +841,17 @@ def train(args, ddp, rank, world, device):
 
 
 def compile_model(model, device):
-    """torch.compile the nanoGPT way: the whole model at once, DDP's wrapper included (Dynamo then
-    splits the graph at DDP's gradient buckets, so that their all-reduces overlap the backward). On
-    the CPU the graph is traced and run by aot_eager (Triton's interpreter runs the kernels there;
-    generated code would gain nothing).
+    """torch.compile the nanoGPT way: the whole model at once, DDP's wrapper included. On the CPU
+    the graph is traced and run by aot_eager (Triton's interpreter runs the kernels there; generated
+    code would gain nothing).
+
+    Under DDP, Dynamo would by default split the graph at the gradient buckets so that each
+    bucket's all-reduce overlaps the rest of the backward (optimize_ddp). Here that costs more than
+    it saves: on two H200s a fused step went from 28.0 ms on one GPU to 42-49 ms split at 25 MB
+    buckets and 31-36 ms at 100 MB, against 30.5-30.9 ms compiled whole, the gradients all-reduced
+    after the backward (1.81-1.84x one GPU; results/05_train_roformer_mlm.md). The pieces run
+    Inductor's kernels in smaller graphs and our ops at the pieces' edges, and they wait on each
+    other; one all-reduce of 436 MB of float32 gradients over NVLink costs less.
 
     What Inductor does here (--bench --bench-profile, BERT-base shape, one H100; the numbers in
     results/05_train_roformer_mlm.md): it fuses what lies between the matmuls and our kernels, the
@@ -858,6 +865,8 @@ def compile_model(model, device):
     and the fused path leaves Inductor 0.6 ms less to do (9.5 against 10.1: no gradients of q, k
     and v to stack into qkv's). The layers' CUDA graphs (--cuda-graphs) have nothing left to win:
     at this shape compiled steps take 29.9 ms against 39.5 for eager layers replayed from graphs."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        torch._dynamo.config.optimize_ddp = False
     return torch.compile(model, backend="inductor" if device.type == "cuda" else "aot_eager")
 
 
