@@ -849,12 +849,12 @@ def compile_model(model, device):
     bucket's all-reduce overlaps the rest of the backward (optimize_ddp). Here that costs more than
     it saves: on two H200s a fused step went from 28.0 ms on one GPU to 42-49 ms split at 25 MB
     buckets and 31-36 ms at 100 MB, against 30.5-30.9 ms compiled whole, the gradients all-reduced
-    after the backward (1.81-1.84x one GPU; results/05_train_roformer_mlm.md). The pieces run
-    Inductor's kernels in smaller graphs and our ops at the pieces' edges, and they wait on each
-    other; one all-reduce of 436 MB of float32 gradients over NVLink costs less.
+    after the backward (1.81-1.86x one GPU; results/05_train_roformer_mlm_H200.md). Where the split
+    graphs lose their time was not profiled; one all-reduce of 436 MB of float32 gradients over
+    NVLink, not overlapped, costs less than they lose.
 
     What Inductor does here (--bench --bench-profile, BERT-base shape, one H100; the numbers in
-    results/05_train_roformer_mlm.md): it fuses what lies between the matmuls and our kernels, the
+    results/05_train_roformer_mlm_H100.md): it fuses what lies between the matmuls and our kernels, the
     embeddings' sum, LayerNorm, GELU, dropout, the residual adds, the bias gradients, the masked
     positions' gather and the loss: for the fused path 805 kernels and 19.2 ms of a step become 549
     kernels and 11.2 ms, and the step goes from 39-47 ms to 29.9. It cannot touch 03's and 04's
