@@ -13,6 +13,8 @@ In this tutorial, you will learn about:
   copying, 64-bit offsets, head dims up to 256 (80 and 96 too) and any number of heads;
 * rotating q and k (k with fewer heads, as in grouped-query attention) in a single launch;
 * checking values that live on the GPU (``cu_seqlens``) without a host sync on every call;
+* an opaque ``torch.library.custom_op`` that writes its outputs, so that ``torch.compile(fullgraph=True)``
+  takes the call whole;
 * measuring a memory-bound kernel against the copy bandwidth of the same GPU, in the same run.
 
 Run ``python 02_rope_fwd.py``: it checks itself against the PyTorch reference, then benchmarks.
@@ -32,6 +34,7 @@ import platform
 import statistics
 import time
 import weakref
+from typing import Optional
 
 import torch
 
@@ -192,7 +195,7 @@ def _copy_pass_through(x_tile, y_tile, stride_xd, stride_yd, mask, head_dim, rot
 @triton.jit
 def rope_fwd_kernel(
     q_ptr, q_out_ptr, k_ptr, k_out_ptr, freqs_ptr, angles_shared_ptr, cu_seqlens_ptr, start_positions_ptr,
-    n_batch, n_seq_blocks, seqlen, n_q_heads, n_k_heads, head_dim, rot_dim,
+    n_batch, n_seq_blocks, seqlen, n_q_heads, n_k_heads, head_dim, rot_dim, n_positions,
     stride_qb, stride_qs, stride_qh, stride_qd, stride_qob, stride_qos, stride_qoh, stride_qod,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_kob, stride_kos, stride_koh, stride_kod,
     stride_fs, stride_fd,
@@ -228,7 +231,7 @@ def rope_fwd_kernel(
         f_a, f_b = 2 * i, 2 * i + 1
     else:
         f_a, f_b = i, i + rot_dim // 2
-    f_mask = row_mask[:, None] & (i < rot_dim // 2)[None, :]
+    f_mask = (row_mask & (pos < n_positions))[:, None] & (i < rot_dim // 2)[None, :]  # no row past the table
     f_rows = freqs_ptr + pos.to(tl.int64)[:, None] * stride_fs
     angle_a = tl.load(f_rows + f_a[None, :] * stride_fd, mask=f_mask, other=0.0)
     read_b = tl.load(angles_shared_ptr + 0 * i)[None, :] == 0  # the flag, one copy per lane
@@ -279,6 +282,13 @@ def rope_fwd_kernel(
 # kept for the last tensors seen (by identity and by version counter, which in-place writes
 # bump): a batch pays for one check, not one per call. The angle table's "halves equal" flag is
 # kept the same way; it is computed on the device, with no sync, once per table.
+#
+# Under torch.compile the launch is a torch.library.custom_op: one opaque node that writes its
+# outputs (mutates_args), so fullgraph=True traces the whole call; eager calls launch directly
+# (03 measures what the dispatcher would add). A graph must not sync, so compiled calls skip the
+# value checks, and in thd the grid covers a bound on the longest sequence, min(tokens, rows of
+# freqs), instead of the longest itself: programs past a sequence's end return at once. (03's
+# kernel finds each token's sequence instead and needs no such number.)
 
 
 class _LastResult:
@@ -332,6 +342,8 @@ def _angles_shared(freqs, interleaved):
         f = freqs[:, 0, 0]
         f_a, f_b = (f[:, 0::2], f[:, 1::2]) if interleaved else f.chunk(2, dim=-1)
         return (f_a == f_b).all().to(torch.int32).reshape(1)
+    if torch.compiler.is_compiling():  # traced into the graph; the memo is eager-only
+        return compute()
     return _shared_angles.get((freqs,), (interleaved,), compute)
 
 
@@ -364,14 +376,16 @@ def _check_outs(tensors, outs, names):
     outs = [torch.empty_like(x) if o is None else o for x, o in zip(tensors, outs)]
     out_names = ["out"] if len(outs) == 1 else [n + "_out" for n in names]
     same_storage = lambda a, b: a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # noqa: E731
-    in_place = []
+    in_place, tracing = [], torch.compiler.is_compiling()
     for x, out, name in zip(tensors, outs, out_names):
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
         if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
             raise ValueError(f"{name} must match its input's shape, dtype and device: got {tuple(out.shape)} "
                              f"{out.dtype} {out.device}, expected {tuple(x.shape)} {x.dtype} {x.device}")
-        in_place.append(out.data_ptr() == x.data_ptr() and out.stride() == x.stride())
+        in_place.append(out is x or (not tracing and out.data_ptr() == x.data_ptr() and out.stride() == x.stride()))
+    if tracing:  # a traced tensor has no address: the overlap check runs in eager mode only
+        return outs, all(in_place)
     for j, (out, name) in enumerate(zip(outs, out_names)):
         for i, (x, x_name) in enumerate(zip(tensors, names)):
             allowed = in_place[j] and (i == j or all(in_place))  # all in place: a packed qkv is fine
@@ -393,7 +407,7 @@ def _launch_config(half, n_heads):
     return dict(BLOCK_S=1, BLOCK_H=block_h, num_warps=2 if block_h * half <= 128 else 4)
 
 
-def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_positions, config=None):
+def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_positions):
     if tensor_format not in TENSOR_FORMATS:
         raise ValueError(f"tensor_format must be one of {TENSOR_FORMATS}, got {tensor_format!r}")
     names = ("t",) if len(tensors) == 1 else ("q", "k")
@@ -438,32 +452,61 @@ def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_po
             raise TypeError("start_positions must be an int32 or int64 tensor")
         if start_positions.shape != (batch,):
             raise ValueError(f"start_positions must have shape [b] = [{batch}], got {tuple(start_positions.shape)}")
-    if cu_seqlens is not None or start_positions is not None:
+    if torch.compiler.is_compiling():  # no host sync in a graph: values unchecked, the longest sequence bounded
+        seqlen = min(t.shape[0], max_positions) if tensor_format == "thd" else seqlen
+    elif cu_seqlens is not None or start_positions is not None:
         seqlen = _check_values(cu_seqlens, start_positions, seqlen, t.shape[0], max_positions)
 
     outs, in_place = _check_outs(tensors, outs, names)
-    if t.numel() == 0 or seqlen == 0:
-        return outs
+    q, k = tensors[0], (tensors[1] if len(tensors) == 2 else None)
+    if t.numel() and seqlen:
+        (_rope_op if torch.compiler.is_compiling() else _launch)(
+            q, outs[0], k, outs[-1] if k is not None else None, freqs, _angles_shared(freqs, interleaved), cu_seqlens,
+            start_positions, seqlen, tensor_format, interleaved, rot_dim < head_dim and not in_place)
+    return outs
 
+
+def _launch(q: torch.Tensor, q_out: torch.Tensor, k: Optional[torch.Tensor], k_out: Optional[torch.Tensor],
+            freqs: torch.Tensor, angles_shared: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+            start_positions: Optional[torch.Tensor], seqlen: int, tensor_format: str, interleaved: bool,
+            copy_pass: bool) -> None:
+    """Write RoPE(q) into q_out (and RoPE(k) into k_out); seqlen: the longest sequence, or a bound on it."""
+    (batch, _, _, head_dim), _ = _layout(q, tensor_format)
+    if tensor_format == "thd":
+        batch = cu_seqlens.numel() - 1
+    rot_dim = freqs.shape[3]
     half = _next_pow2(rot_dim // 2)
-    q, k = tensors[0], tensors[-1]
-    q_out, k_out = outs[0], outs[-1]
+    k, k_out = (k, k_out) if k is not None else (q, q_out)
     n_heads = (q.shape[-2], k.shape[-2])
     strides = [s for x in (q, q_out, k, k_out) for s in _layout(x, tensor_format)[1]]
-    config = config or _launch_config(half, max(n_heads))
+    config = _launch_config(half, max(n_heads))
     n_seq_blocks = -(-seqlen // config["BLOCK_S"])
     rope_fwd_kernel[(batch * n_seq_blocks,)](
-        q, q_out, k, k_out, freqs, _angles_shared(freqs, interleaved),
+        q, q_out, k, k_out, freqs, angles_shared,
         cu_seqlens if cu_seqlens is not None else freqs,
         start_positions if start_positions is not None else freqs,
-        batch, n_seq_blocks, seqlen, n_heads[0], n_heads[1], head_dim, rot_dim, *strides, freqs.stride(0), freqs.stride(3),
+        batch, n_seq_blocks, seqlen, n_heads[0], n_heads[1], head_dim, rot_dim, freqs.shape[0], *strides,
+        freqs.stride(0), freqs.stride(3),
         HALF=half, PASS=_next_pow2(max(head_dim - rot_dim, 1)),
         N_HEAD_BLOCKS=-(-max(n_heads) // config["BLOCK_H"]), INTERLEAVED=interleaved,
         IS_THD=tensor_format == "thd", HAS_START_POSITIONS=start_positions is not None,
-        HAS_K=len(tensors) == 2, COPY_PASS=rot_dim < head_dim and not in_place,
-        BATCH_FASTEST=tensor_format == "sbhd", **config,
+        HAS_K=k is not q, COPY_PASS=copy_pass, BATCH_FASTEST=tensor_format == "sbhd", **config,
     )
-    return outs
+
+
+def _register_op():
+    """_launch as rope_fwd_tutorial::rope (a fresh name if this file was loaded before), an opaque op
+    that writes its outputs in place (mutates_args); torch.compile's functionalization takes care of
+    the writes, in place or into views of one packed tensor."""
+    n = 0
+    while hasattr(torch.ops.rope_fwd_tutorial, f"rope{n or ''}"):
+        n += 1
+    op = torch.library.custom_op(f"rope_fwd_tutorial::rope{n or ''}", _launch, mutates_args=("q_out", "k_out"))
+    op.register_fake(lambda *args: None)
+    return op
+
+
+_rope_op = _register_op()
 
 
 def rope_fwd(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
@@ -680,6 +723,11 @@ def markdown_table(rows):
     return "\n".join(lines)
 
 
+def gpu_kind():
+    """'H100', 'H200', ...: results are kept per kind of GPU."""
+    return next((w for w in torch.cuda.get_device_name().split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
+
+
 def environment():
     gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "none (Triton interpreter)"
     return (f"device: {gpu}; date: {datetime.date.today()}; torch {torch.__version__}; "
@@ -728,5 +776,5 @@ if __name__ == "__main__":
     self_check()
     rows = benchmark()
     if DEVICE.type == "cuda":
-        save_results(rows, "02_rope_fwd", "RoPE forward, q and k", args.results)
+        save_results(rows, f"02_rope_fwd_{gpu_kind()}", "RoPE forward, q and k", args.results)
         print("\n" + markdown_table(rows))

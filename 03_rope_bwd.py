@@ -136,10 +136,10 @@ def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens
 #   1. BACKWARD swaps and negates the sines, as derived above; nothing else changes.
 #   2. float64 inputs are computed in float64 (for gradcheck); other dtypes in float32.
 #   3. In thd the grid walks the packed tokens and each token finds its sequence by a binary
-#      search in cu_seqlens. 02 launched (sequences x longest sequence) programs, and the longest
-#      sequence can only be known on the host, by a sync, which compiled code must not do. This
-#      grid needs no such number. It cost 3% at 02's small thd shape (28.7 against 27.9 us of GPU
-#      time, results/02_rope_fwd_host_overhead.log) and nothing at the large ones.
+#      search in cu_seqlens. 02 launches (sequences x longest sequence) programs; the longest
+#      sequence is known only on the host, after a sync, so compiled code must launch for a bound
+#      on it. This grid needs no such number, at about 1 us more GPU time than bshd at the small
+#      shape (02's forward: 0.4 us more; results/03_rope_bwd_<gpu>.md, 02_rope_fwd_<gpu>.md).
 # Angle rows past the table are masked (read as 0) instead of read out of bounds: eager calls
 # check positions on the host and raise, compiled calls do not check.
 
@@ -365,8 +365,8 @@ rope_op = _register(_rope_op_body)
 
 def _rope(*args):
     """The registered op where torch.compile is tracing; a direct launch in eager mode, where the
-    dispatcher, the op's autograd wrapper and its aliasing checks tripled the host cost of a
-    forward (195 against 67 us on an H200 machine: results/03_rope_bwd_host.log)."""
+    dispatcher, the op's autograd wrapper and its aliasing checks would double the host cost of a
+    call (the benchmark times both: results/03_rope_bwd_<gpu>.md)."""
     return rope_op(*args) if torch.compiler.is_compiling() else _rope_impl(*args)
 
 
@@ -672,7 +672,9 @@ def _providers(q, k, freqs, fmt, kwargs, liger, compiled):
     if compiled is not None:
         fwd["torch.compile"] = lambda: compiled(q, k, freqs, **kwargs)
     backward = {"copy": lambda: dst.copy_(src),
-                "triton (ours)": lambda: rope_bwd_qk(dq_out, dk_out, freqs, **kwargs)}
+                "triton (ours)": lambda: rope_bwd_qk(dq_out, dk_out, freqs, **kwargs),
+                "ours, via the op": lambda: rope_op(dq_out, dk_out, freqs, _angles_shared(freqs, False),  # as compiled
+                                                    kwargs.get("cu_seqlens"), None, fmt, False, True)}
     for name, f in fwd.items():
         if name != "triton (ours)":
             outs = f()  # one forward, its graph kept: the backward alone is timed
@@ -703,7 +705,7 @@ def _bench_layout(shape, fmt, q, k, freqs, kwargs, liger, compiled):
             for other in ("eager", "torch.compile"):
                 if mode == "fwd+bwd" and name == "triton (ours)" and other in times:
                     row["x " + other] = times[other] / ms
-            if DEVICE.type == "cuda" and name == "triton (ours)":
+            if DEVICE.type == "cuda" and name in ("triton (ours)", "ours, via the op"):
                 row["host_us"] = _host_us_per_call(fns[name])
             rows.append(row)
             speedups = "".join(f"  {key} {row[key]:.1f}" for key in ("x eager", "x torch.compile") if key in row)
@@ -749,16 +751,22 @@ def markdown_table(rows, mode):
     rows = [r for r in rows if r["mode"] == mode]
     providers = list(dict.fromkeys(r["provider"] for r in rows))
     extra = ["x eager", "x torch.compile"] if mode == "fwd+bwd" else []
+    host = "ours / via the op: host us / call" if mode == "backward" else "ours: host us / call"
     lines = ["| shape (b, s, h, d) | layout | " + " | ".join(providers + [f"ours: {e}" for e in extra])
-             + " | ours: host us / call |", "|---|---|" + "---|" * (len(providers) + len(extra) + 1)]
+             + f" | {host} |", "|---|---|" + "---|" * (len(providers) + len(extra) + 1)]
     for key in dict.fromkeys((r["shape"], r["layout"]) for r in rows):
         here = [r for r in rows if (r["shape"], r["layout"]) == key]
         cells = {r["provider"]: f"{r['us']:.1f} us ({r['pct_copy']:.0f}%)" for r in here}
         ours = next(r for r in here if r["provider"] == "triton (ours)")
+        host = " / ".join(f"{r['host_us']:.0f}" for r in here if "host_us" in r)
         lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells.get(p, "n/a") for p in providers)
-                     + "".join(f" | {ours[e]:.1f}x" if e in ours else " | n/a" for e in extra)
-                     + f" | {ours['host_us']:.0f} |")
+                     + "".join(f" | {ours[e]:.1f}x" if e in ours else " | n/a" for e in extra) + f" | {host} |")
     return "\n".join(lines)
+
+
+def gpu_kind():
+    """'H100', 'H200', ...: results are kept per kind of GPU."""
+    return next((w for w in torch.cuda.get_device_name().split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
 
 
 def environment():
@@ -768,13 +776,16 @@ def environment():
 
 
 def save_results(rows, results_dir):
-    """results/03_rope_bwd.md (environment + both tables) and, with matplotlib, the plot."""
+    """results/03_rope_bwd_<gpu>.md (environment + both tables) and, with matplotlib, the plot."""
     os.makedirs(results_dir, exist_ok=True)
-    with open(os.path.join(results_dir, "03_rope_bwd.md"), "w") as f:
+    stem = os.path.join(results_dir, f"03_rope_bwd_{gpu_kind()}")
+    with open(stem + ".md", "w") as f:
         f.write(f"# RoPE backward, q and k\n\n{environment()}\n\nbf16 q and k of equal shape. Times are GPU time: the "
                 "median of three `triton.testing.do_bench_cudagraph` medians. (x%) is the speed as a fraction of a "
                 "device-to-device copy of the same bytes (for fwd+bwd, two copies), measured in the same run. The "
-                "last column is the host time of one eager call of ours. Raw log: `03_rope_bwd.log`.\n\n"
+                "last column is the host time of one eager call of ours (and, for the backward, of the same call "
+                "through the torch.library op, as compiled code makes it). Raw log: "
+                f"`{os.path.basename(stem)}.log`.\n\n"
                 f"## Backward alone\n\n{markdown_table(rows, 'backward')}\n\n"
                 f"## Forward + backward\n\n{markdown_table(rows, 'fwd+bwd')}\n")
     try:
@@ -786,7 +797,7 @@ def save_results(rows, results_dir):
         return
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
     for ax, mode in zip(axes, ("backward", "fwd+bwd")):
-        mode_rows = [r for r in rows if r["mode"] == mode and not r["provider"].startswith("copy")]
+        mode_rows = [r for r in rows if r["mode"] == mode and not r["provider"].startswith(("copy", "ours, via"))]
         groups = list(dict.fromkeys((r["shape"], r["layout"]) for r in mode_rows))
         providers = list(dict.fromkeys(r["provider"] for r in mode_rows))
         width = 0.8 / len(providers)
@@ -800,7 +811,7 @@ def save_results(rows, results_dir):
         ax.set_title(f"RoPE {mode}, bf16 q and k ({environment().split(';')[0].removeprefix('device: ')})", fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(results_dir, "03_rope_bwd.png"), dpi=120)
+    fig.savefig(stem + ".png", dpi=120)
 
 
 if __name__ == "__main__":

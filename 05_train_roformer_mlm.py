@@ -188,12 +188,12 @@ class _Unmasked(nn.Module):
 def capture_cuda_graphs(model, batch_size, seq_len):
     """--cuda-graphs: capture each encoder layer's forward and backward as CUDA graphs
     (torch.cuda.make_graphed_callables; Megatron-LM graphs per layer the same way). Eager PyTorch
-    costs the host tens of microseconds an op: the default run's small model waits for the host
-    (12 ms a step with graphs, 22-26 eagerly), and at the BERT-base shape the host needs nearly as
-    long to issue a step as the GPU to run it, so that on two GPUs host jitter on either rank stalls
-    both (fused scaled 1.62-1.84x eagerly, 1.90-1.93x with graphs; results/05_host_side.log). A
-    replay issues a layer's kernels in one call. Graphs keep the shapes they were captured with:
-    batches with padding, evaluation and other shapes run the layers eagerly, on the same weights.
+    costs the host tens of microseconds an op: the default run's small model waits for the host,
+    and at the BERT-base shape the host needs nearly as long to issue a step as the GPU to run it,
+    so that on two GPUs host jitter on either rank stalls both. A replay issues a layer's kernels
+    in one call (--bench --cuda-graphs times the paths with and without). Graphs keep the shapes
+    they were captured with: batches with padding, evaluation and other shapes run the layers
+    eagerly, on the same weights.
     (Whether dq is summed with atomics is fixed at capture, by torch.use_deterministic_algorithms.)"""
     layers = model.roformer.encoder.layer
     shape, dtype = (batch_size, seq_len, model.cfg.hidden_size), torch.float32  # a LayerNorm's output under autocast
@@ -389,8 +389,8 @@ def documents(path, block_chars=1 << 20):
 def sequences(data, tokenizer, seq_len):
     """Packed token sequences of exactly seq_len (the last one padded) and their real lengths. The
     tokens wait in one flat int32 array and are cut out with slices done in C: cutting a Python list
-    (buf = buf[body:]) copied the whole rest of the piece for every sequence; with torch.tensor on
-    nested lists, a batch of 32 x 512 cost the host 7 ms instead of 1.5 (results/05_host_side.log)."""
+    (buf = buf[body:]) copies the whole rest of the piece for every sequence, and torch.tensor on
+    nested lists converts one Python int at a time."""
     body, buf, start = seq_len - 2, array.array("i"), 0
     cls, sep = array.array("i", [tokenizer.cls]), array.array("i", [tokenizer.sep])
     for piece in documents(data):
@@ -459,8 +459,7 @@ def masked_positions(labels):
     sets the shapes that follow, so finding them on the GPU makes the host wait for it, and the host can
     no longer queue work ahead of the GPU across steps. Training finds them on the host, where it made
     the labels. (Indexing with the boolean mask itself waits three times: twice in the forward, once in
-    the backward.) On an H200 the BERT-base step took 37.2 ms with three waits, 36.8 with one, 36.5 with
-    none (results/05_host_waits.log)."""
+    the backward.)"""
     return (labels.flatten() != -100).nonzero().squeeze(1)
 
 

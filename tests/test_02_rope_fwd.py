@@ -98,6 +98,35 @@ def test_in_place_and_out(d2):
     torch.testing.assert_close(k, expected_k)
 
 
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_torch_compile_fullgraph(fmt, in_place):
+    """rope_fwd_qk and rope_fwd compile without a graph break (fullgraph=True raises on one) and
+    write what eager writes: new outputs, or in place into the q and k views of one packed tensor.
+    Inductor on a GPU; on the CPU Inductor cannot run interpreted kernels, so aot_eager there."""
+    torch._dynamo.reset()
+    qkv = make_view(logical_shape(fmt, B, S, 3 * 4, 80), torch.bfloat16, "contiguous")
+    q, k = qkv[..., :4, :], qkv[..., 4:6, :]  # strided views; k with fewer heads
+    freqs = torch.randn(B * S + 5, 1, 1, 48, device=DEVICE)  # partial rotary, halves differ
+    kwargs = dict(tensor_format=fmt, interleaved=True, start_positions=torch.randint(0, 5, (B,), device=DEVICE))
+    if fmt == "thd":
+        kwargs["cu_seqlens"] = random_cu_seqlens(B, B * S)
+    expected = rope.rope_reference(q, freqs, **kwargs), rope.rope_reference(k, freqs, **kwargs)
+    backend = "inductor" if ON_GPU else "aot_eager"
+    one = torch.compile(lambda t: rope.rope_fwd(t, freqs, **kwargs) * 1, fullgraph=True, backend=backend)
+    torch.testing.assert_close(one(q), expected[0])
+    if in_place:
+        both = torch.compile(lambda q, k: rope.rope_fwd_qk(q, k, freqs, q_out=q, k_out=k, **kwargs), fullgraph=True,
+                             backend=backend)
+        untouched = qkv[..., 6:, :].clone()
+        both(q, k)
+        torch.testing.assert_close((q, k), expected)
+        torch.testing.assert_close(qkv[..., 6:, :], untouched)
+    else:
+        both = torch.compile(lambda q, k: rope.rope_fwd_qk(q, k, freqs, **kwargs), fullgraph=True, backend=backend)
+        torch.testing.assert_close(both(q, k), expected)
+
+
 def test_rope_freqs_is_a_rotation():
     # TE's table: angles pos * base^(-2i/d2), halves (or pairs) equal, so every pair keeps its norm.
     freqs = rope.rope_freqs(S, 32, device=DEVICE)
