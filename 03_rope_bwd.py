@@ -139,7 +139,7 @@ def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens
 #      search in cu_seqlens. 02 launches (sequences x longest sequence) programs; the longest
 #      sequence is known only on the host, after a sync, so compiled code must launch for a bound
 #      on it. This grid needs no such number, at about 1 us more GPU time than bshd at the small
-#      shape (02's forward: 0.4 us more; results/03_rope_bwd_<gpu>.md, 02_rope_fwd_<gpu>.md).
+#      shape (02's forward: 0.4-0.6 us more; results/03_rope_bwd_<gpu>.md, 02_rope_fwd_<gpu>.md).
 # Angle rows past the table are masked (read as 0) instead of read out of bounds: eager calls
 # check positions on the host and raise, compiled calls do not check.
 

@@ -848,9 +848,10 @@ def compile_model(model, device):
     bucket's all-reduce overlaps the rest of the backward (optimize_ddp). Here that costs more than
     it saves: on two H200s a fused step went from 28.0 ms on one GPU to 42-49 ms split at 25 MB
     buckets and 31-36 ms at 100 MB, against 30.5-30.9 ms compiled whole, the gradients all-reduced
-    after the backward (1.81-1.86x one GPU; results/05_train_roformer_mlm_H200.md). Where the split
-    graphs lose their time was not profiled; one all-reduce of 436 MB of float32 gradients over
-    NVLink, not overlapped, costs less than they lose.
+    after the backward (1.81-1.86x one GPU; on another machine 31-38 ms, 1.47-1.70x, with rounds that
+    spread by 5 ms: results/05_train_roformer_mlm_H200.md). Where the split graphs lose their time
+    was not profiled; one all-reduce of 436 MB of float32 gradients over NVLink, not overlapped,
+    costs 1.5 ms.
 
     What Inductor does here (--bench --bench-profile, BERT-base shape, one H100; the numbers in
     results/05_train_roformer_mlm_H100.md): it fuses what lies between the matmuls and our kernels, the
