@@ -104,6 +104,8 @@ def _as_rows(x, name="x"):
 
 def rotate_half(x, interleaved=False, transpose=False):
     """R(x) (or R^T(x) = -R(x) with transpose=True) with the per-element kernel. x: [..., d]."""
+    if torch.compiler.is_compiling():  # traced: one opaque node, the op registered below
+        return rotate_half_op(x, interleaved, transpose)
     rows = _as_rows(x)
     y = torch.empty(rows.shape, device=x.device, dtype=x.dtype)
     if y.numel():
@@ -154,6 +156,8 @@ def rotate_half_rows_kernel(x_ptr, y_ptr, n_rows, half, stride_xr, stride_xc,
 
 def rotate_half_rows(x, interleaved=False):
     """R(x) with the row-wise kernel. x: [..., d], d even."""
+    if torch.compiler.is_compiling():
+        return rotate_half_rows_op(x, interleaved)
     rows = _as_rows(x)
     y = torch.empty(rows.shape, device=x.device, dtype=x.dtype)
     half = rows.shape[1] // 2
@@ -183,17 +187,22 @@ def rotate_half_rows(x, interleaved=False):
 # is ~4.5x, and the benchmark below measures how much of it eager actually loses.
 
 
-# R is registered as a torch.library op, its backward R^T with it, so that torch.compile
-# (fullgraph=True) keeps the call as one opaque node instead of tracing into the launch (04 explains
+# Both kernels are registered as torch.library ops, R's backward R^T with it, so that torch.compile
+# (fullgraph=True) keeps a call as one opaque node instead of tracing into the launch (04 explains
 # custom ops). A fresh name is taken if this file is loaded twice in one process.
-def _register_rotate_half():
+def _custom_op(name, launch):
     n = 0
-    while hasattr(torch.ops.rope_tutorial_01, f"rotate_half{n or ''}"):
+    while hasattr(torch.ops.rope_tutorial_01, f"{name}{n or ''}"):
         n += 1
+    op = torch.library.custom_op(f"rope_tutorial_01::{name}{n or ''}", launch, mutates_args=())
+    op.register_fake(lambda x, *flags: x.new_empty(x.shape))
+    return op
+
+
+def _register_rotate_half():
     def launch(x: torch.Tensor, interleaved: bool, transpose: bool) -> torch.Tensor:
         return rotate_half(x, interleaved, transpose)
-    op = torch.library.custom_op(f"rope_tutorial_01::rotate_half{n or ''}", launch, mutates_args=())
-    op.register_fake(lambda x, interleaved, transpose: x.new_empty(x.shape))
+    op = _custom_op("rotate_half", launch)
 
     def setup_context(ctx, inputs, output):
         ctx.interleaved, ctx.transpose = inputs[1], inputs[2]
@@ -204,7 +213,11 @@ def _register_rotate_half():
     return op
 
 
-rotate_half_op = _register_rotate_half()
+def _rows_launch(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    return rotate_half_rows(x, interleaved)
+
+
+rotate_half_op, rotate_half_rows_op = _register_rotate_half(), _custom_op("rotate_half_rows", _rows_launch)
 
 
 def apply_rope_naive(t, freqs, tensor_format="sbhd", interleaved=False):

@@ -77,6 +77,18 @@ def test_apply_rope_naive_under_torch_compile(interleaved):
     torch.library.opcheck(m.rotate_half_op, (torch.randn(3, 8, device=DEVICE, requires_grad=True), interleaved, False))
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_kernels_under_torch_compile(interleaved):
+    """rotate_half and rotate_half_rows compile with fullgraph=True (each an opaque op) and match eager."""
+    torch._dynamo.reset()
+    x = torch.randn(5, 3, 24, device=DEVICE)[:, 1:]  # a strided view
+    backend = "inductor" if ON_GPU else "aot_eager"
+    for fn in (lambda x: m.rotate_half(x, interleaved), lambda x: m.rotate_half(x, interleaved, transpose=True),
+               lambda x: m.rotate_half_rows(x, interleaved)):
+        torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend=backend)(x), fn(x))
+    torch.library.opcheck(m.rotate_half_rows_op, (torch.randn(3, 8, device=DEVICE), interleaved))
+
+
 def test_errors():
     with pytest.raises(ValueError, match="x's last dim must be even"):
         m.rotate_half(torch.randn(2, 5, device=DEVICE))
