@@ -522,7 +522,7 @@ def rope_fwd(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
         its positions starting at 0.
     start_positions: int [b]: sequence i uses angle rows start_positions[i] onwards (KV cache).
     out: where to write (same shape and dtype as t); ``out=t`` rotates in place.
-    Returns the output tensor.
+    Returns the output tensor. Works under torch.compile(fullgraph=True), in place too.
     """
     return _rope([t], [out], freqs, tensor_format, interleaved, cu_seqlens, start_positions)[0]
 

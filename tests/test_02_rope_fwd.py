@@ -125,6 +125,11 @@ def test_torch_compile_fullgraph(fmt, in_place):
     else:
         both = torch.compile(lambda q, k: rope.rope_fwd_qk(q, k, freqs, **kwargs), fullgraph=True, backend=backend)
         torch.testing.assert_close(both(q, k), expected)
+    # the registration itself: schema (what it writes), fake outputs, and the op against its launch
+    q2, k2 = q.detach().clone(), k.detach().clone()
+    torch.library.opcheck(rope._rope_op, (q2, torch.empty_like(q2), k2, torch.empty_like(k2), freqs,
+                                          rope._angles_shared(freqs, True), kwargs.get("cu_seqlens"),
+                                          kwargs["start_positions"], B * S if fmt == "thd" else S, fmt, True, True))
 
 
 def test_rope_freqs_is_a_rotation():
