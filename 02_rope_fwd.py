@@ -579,11 +579,10 @@ def self_check():
 # What is timed is the GPU's work, replayed from a CUDA graph (the median of three
 # triton.testing.do_bench_cudagraph medians). Timing calls issued one by one from Python would
 # time the host instead wherever the host takes longer to launch a call than the GPU takes to run
-# it: this wrapper's checks plus Triton's launcher cost tens of microseconds of Python a call, and
-# the (32, 512, 12, 64) kernel runs in under 30. Such timings then follow the speed of the host's
-# CPU (on two H200 machines of the same kind: 32 us and 43 us for the same call). The host cost is
-# real, so the table prints it too: eager callers pay it on every call; CUDA graphs and
-# torch.compile's "reduce-overhead" mode do not.
+# it: this wrapper's checks plus Triton's launcher cost 70-190 us of Python a call (the table's
+# last column), and the (32, 512, 12, 64) kernel runs in under 40. Such timings follow the host's
+# CPU. The host cost is real, so the table prints it too: eager callers pay it on every call; CUDA
+# graphs and torch.compile's "reduce-overhead" mode do not.
 
 BENCH_SHAPES = [(4, 4096, 32, 128), (32, 512, 12, 64), (1, 32768, 8, 128)]  # (b, s, h, d)
 CPU_SHAPES = [(2, 64, 4, 64)]

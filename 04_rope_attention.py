@@ -174,7 +174,7 @@ def _load(ptrs, mask, other, UNMASKED: tl.constexpr):
 def _load_pairs(rows, stride_d, rows_ok, half, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
     """The a and b members of the pairs of `rows`, [rows, HALF] each, float32, 0 past `half`. Interleaved
     pairs are loaded as one contiguous row and split in registers: two loads of every other channel
-    would not vectorize (measured: 3-6x slower kernels at d = 64)."""
+    would not vectorize."""
     if INTERLEAVED:
         c = tl.arange(0, 2 * HALF)[None, :]
         x = tl.load(rows + c * stride_d, mask=rows_ok & (c < 2 * half), other=0.0).to(tl.float32)

@@ -220,7 +220,7 @@ def capture_cuda_graphs(model, batch_size, seq_len):
         layer.graphed = (replay, shape, dtype)  # a tuple: not registered as a submodule, the state dict is unchanged
     # A replay hands out its weight gradients in the graph's own buffers, which the next replay overwrites. A
     # parameter without a .grad would adopt such a buffer as its .grad, and with gradient accumulation the
-    # second micro-batch would overwrite the first's (measured: up to 110% off). So every .grad starts
+    # second micro-batch would overwrite the first's (tests/test_05 catches it). So every .grad starts
     # allocated, and a loop that accumulates zeroes it in place (zero_grad(set_to_none=False)). With one
     # micro-batch a step, the optimizer has read the adopted buffer before the next replay.
     for param in model.parameters():
