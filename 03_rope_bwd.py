@@ -781,10 +781,10 @@ def save_results(rows, results_dir):
     stem = os.path.join(results_dir, f"03_rope_bwd_{gpu_kind()}")
     with open(stem + ".md", "w") as f:
         f.write(f"# RoPE backward, q and k\n\n{environment()}\n\nbf16 q and k of equal shape. Times are GPU time: the "
-                "median of three `triton.testing.do_bench_cudagraph` medians. (x%) is the speed as a fraction of a "
-                "device-to-device copy of the same bytes (for fwd+bwd, two copies), measured in the same run. The "
-                "last column is the host time of one eager call of ours (and, for the backward, of the same call "
-                "through the torch.library op, as compiled code makes it). Raw log: "
+                "median over 10 replays of a CUDA graph of about 20 ms of calls, per call. (x%) is the speed as a "
+                "fraction of a device-to-device copy of the same bytes (for fwd+bwd, two copies), measured in the "
+                "same run. The last column is the host time of one eager call of ours (and, for the backward, of the "
+                "same call through the torch.library op, as compiled code makes it). Raw log: "
                 f"`{os.path.basename(stem)}.log`.\n\n"
                 f"## Backward alone\n\n{markdown_table(rows, 'backward')}\n\n"
                 f"## Forward + backward\n\n{markdown_table(rows, 'fwd+bwd')}\n")
