@@ -341,12 +341,18 @@ def test_default_run_writes_logs_and_a_checkpoint(tmp_path):
 @pytest.mark.parametrize("compile_flag", ["--no-compile", "--compile"])
 def test_ddp_two_ranks_on_cpu(tmp_path, compile_flag):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(ROOT / "05_train_roformer_mlm.py"),
-                             "--out", str(tmp_path), "--max-steps", "4"] + TINY + [compile_flag], capture_output=True,
-                            text=True, timeout=600, env=env)
+    for attempt in range(2):
+        out = tmp_path / f"attempt{attempt}"
+        result = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(ROOT / "05_train_roformer_mlm.py"),
+                                 "--out", str(out), "--max-steps", "4"] + TINY + [compile_flag],
+                                 capture_output=True, text=True, timeout=600, env=env)
+        # Rarely, a rank that finished cleanly (group destroyed) aborts as the interpreter exits: a race
+        # between gloo's threads and finalization (pytorch/pytorch#179291). Once more; a real failure repeats.
+        if result.returncode == 0 or "terminate called without an active exception" not in result.stderr:
+            break
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 rank(s)" in result.stdout and ("torch.compile" in result.stdout) == (compile_flag == "--compile")
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["seen"] == [8, 8]  # 4 steps x batch 2, per rank
+    assert torch.load(out / "ckpt.pt", weights_only=True)["seen"] == [8, 8]  # 4 steps x batch 2, per rank
 
 
 def test_compare_two_paths_from_the_same_seed(tmp_path, capsys):
