@@ -14,6 +14,7 @@ In this tutorial, you will learn about:
   atomics, or deterministic by a second kernel;
 * online softmax with key-padding and causal masks, grouped-query attention, odd lengths, head
   dims that are not powers of two, partial rotary, both pairings, and packed qkv;
+* programmatic dependent launch (Hopper): each kernel starts while the one before it drains;
 * opaque ``torch.library.custom_op``s, so that ``torch.compile(fullgraph=True)`` takes them whole;
 * benchmarking against 03's RoPE followed by SDPA (cuDNN, flash) and FlexAttention, eager and compiled.
 
@@ -49,6 +50,7 @@ import triton.language as tl
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: a global there must be a tl.constexpr
+PDL = DEVICE.type == "cuda" and torch.cuda.get_device_capability()[0] >= 9  # programmatic dependent launch
 
 # %%
 # The PyTorch reference
@@ -107,23 +109,20 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # - RoPE then attention (03 + SDPA or FlexAttention): RoPE reads q, k and writes rotated copies
 #   (4U), attention reads them and v and writes o (4U); the backward reads 5U and writes 3U, then
 #   RoPE's backward reads and writes dq and dk (4U): 8U + 12U.
-# - Rotating each K tile inside the loop saves those bytes but rotates every K tile once per block
-#   of queries: O(s^2 / BLOCK_M) rotations, on the loop that sets the pace.
 # - Here: a pass rotates K once (2U); the forward rotates its q tile in the prologue and, when a
 #   backward will run, saves it (1U); attention reads 4U. The backward reads the saved rq and rk
 #   and rotates dk and dq back as they are stored: 7U + 8U, and every loop is plain FlashAttention.
-# Against rotating K in the loops (results/04_rope_attention_ab.log, an H100 and an H200), forward
-# + backward is 1-8% faster at s = 512 and 8-15% from s = 1024; the forward alone is 3-14% slower
-# at s = 512 (the pass is a large share of a short loop), 1-6% slower at 1024 and 10-20% faster
-# from 2048. Training always runs the backward: one design is kept, this one. Not saving rq, but
-# rotating q again in the backward's first kernel (which reads every query row anyway), makes the
-# forward 2-6% faster at s = 512 and holds 1U less between forward and backward, but forward +
-# backward 2-3% slower at s = 512 and 0-1.5% from 2048 (results/04_rope_attention_ab.log): the write
-# moves from a kernel bound by arithmetic into one bound by bytes.
 # The pass also takes cos and sin once per position for all heads, into a float32 table
-# [s, 4 * HALF] that the other kernels read (libdevice's sin and cos per element in the prologue
-# cost as much as the whole loop at s = 512), and it loads BLOCK_S positions of all heads as one
-# tile: a loop over heads would wait on memory once per head.
+# [s, 4 * HALF] that the other kernels read, and loads BLOCK_S positions of all heads as one tile.
+# What did not help (results/04_rope_attention_ab.log, an H100 and an H200):
+# - rotating each K tile inside the loops, with no pass: O(s^2 / BLOCK_M) rotations on the loop
+#   that sets the pace. The forward alone is 3-14% faster up to s = 1024 but 10-20% slower from
+#   2048, and forward + backward is slower everywhere (1-8% at s = 512, 8-15% from 1024);
+# - rotating q again in the backward instead of saving rq: the forward is 2-6% faster at s = 512,
+#   forward + backward 2-3% slower (the write moves from a kernel bound by arithmetic into one
+#   bound by bytes);
+# - libdevice's sin and cos per element in each prologue instead of the table: as costly as the
+#   whole loop at s = 512.
 #
 # The rotated layout
 # ------------------
@@ -147,6 +146,12 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # FlashAttention 2 does, and the pass rotates it back. Atomics add in no fixed order (dq's last
 # bits vary between runs): under torch.use_deterministic_algorithms(True) the second kernel runs.
 #
+# Between the kernels (Hopper on): programmatic dependent launch lets a kernel's programs start
+# while the kernel before it drains its last wave. Each waits (gdc_wait) before it reads what that
+# kernel wrote, or writes anything, so memory effects keep their order; the forward and the dK/dV
+# kernel load their first tiles before waiting. On an H200 this takes 1-2 us off the 61 us forward
+# at s = 512 and is within noise from s = 2048 (results/04_rope_attention_ab.log).
+#
 # Offsets: a head's base pointer is int64; offsets within a head are int32 (fewer registers next
 # to the accumulators) unless they could reach 2^31 (WIDE).
 
@@ -160,6 +165,15 @@ def _positions(start, BLOCK: tl.constexpr, WIDE: tl.constexpr):
     """Positions start ... start + BLOCK - 1 as int32, or int64 when offsets could pass 2^31 (WIDE)."""
     pos = start + tl.arange(0, BLOCK)
     return pos.to(tl.int64) if WIDE else pos
+
+
+@triton.jit
+def _after_previous_kernel(PDL: tl.constexpr):
+    """Under programmatic dependent launch: wait until the kernel before has finished and its writes
+    are visible, then let the next kernel's programs launch (both are no-ops without it)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -207,10 +221,8 @@ def _trig(trig_ptr, pos, rows_ok, HALF: tl.constexpr):
 
 
 @triton.jit
-def _load_rotated(rows, stride_d, rows_ok, cos_a, sin_a, cos_b, sin_b, half, HALF: tl.constexpr,
-                  INTERLEAVED: tl.constexpr):
-    """Load the rotated channels of `rows` and rotate them: R x as its a and b halves, float32."""
-    x_a, x_b = _load_pairs(rows, stride_d, rows_ok, half, HALF, INTERLEAVED)
+def _rotate(x_a, x_b, cos_a, sin_a, cos_b, sin_b):
+    """R x, as its a and b halves."""
     return x_a * cos_a - x_b * sin_a, x_b * cos_b + x_a * sin_b
 
 
@@ -236,11 +248,13 @@ def _per_head(t, HEADS: tl.constexpr):
 def rope_pass_kernel(x_ptr, y_ptr, freqs_ptr, trig_ptr, scale, seqlen, n_heads, half, n_pass,
                      stride_xb, stride_xs, stride_xh, stride_xd, stride_yb, stride_ys, stride_yh, stride_yd,
                      stride_fs, stride_fd, BLOCK_S: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr,
-                     PASS: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, TO_ROTATED: tl.constexpr):
+                     PASS: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, TO_ROTATED: tl.constexpr,
+                     PDL: tl.constexpr):
     """BLOCK_S positions x HEADS heads of one sequence, one tile of BLOCK_S * HEADS rows. TO_ROTATED:
     y = R x, from x's own layout into the rotated one (k to rk), with cos and sin taken once per
     position; the programs of sequence 0 write them to the table the other kernels read. Else
     y = scale * R^T x, from the rotated layout back (the float32 dq sum to dq)."""
+    _after_previous_kernel(PDL)
     pid_s, b, pid_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     r = tl.arange(0, BLOCK_S * HEADS)
     pos, head = (pid_s * BLOCK_S + r // HEADS).to(tl.int64), pid_h * HEADS + r % HEADS
@@ -259,8 +273,9 @@ def rope_pass_kernel(x_ptr, y_ptr, freqs_ptr, trig_ptr, scale, seqlen, n_heads, 
             tl.store(table + HALF, sin_a, mask=ok_s)
             tl.store(table + 2 * HALF, cos_b, mask=ok_s)
             tl.store(table + 3 * HALF, sin_b, mask=ok_s)
-        y_a, y_b = _load_rotated(x_rows, stride_xd, ok, _per_head(cos_a, HEADS), _per_head(sin_a, HEADS),
-                                 _per_head(cos_b, HEADS), _per_head(sin_b, HEADS), half, HALF, INTERLEAVED)
+        x_a, x_b = _load_pairs(x_rows, stride_xd, ok, half, HALF, INTERLEAVED)
+        y_a, y_b = _rotate(x_a, x_b, _per_head(cos_a, HEADS), _per_head(sin_a, HEADS), _per_head(cos_b, HEADS),
+                           _per_head(sin_b, HEADS))
         tl.store(y_rows + i * stride_yd, y_a.to(y_ptr.dtype.element_ty), mask=ok)  # all lanes: pads are 0
         tl.store(y_rows + (HALF + i) * stride_yd, y_b.to(y_ptr.dtype.element_ty), mask=ok)
         if HAS_PASS:
@@ -302,6 +317,7 @@ def rope_attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     W: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, SAVE_RQ: tl.constexpr, WIDE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One block of queries of one head: the output rows and their log-sum-exp (base 2)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -312,8 +328,10 @@ def rope_attn_fwd_kernel(
     head_dim = 2 * half + n_pass
     # prologue: this block's q rows rotated, the halves side by side, rounded to q's dtype, saved for the backward
     q_rows = q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
+    q_a, q_b = _load_pairs(q_rows, stride_qd, m_ok, half, HALF, INTERLEAVED)
+    _after_previous_kernel(PDL)  # the pass's rk and trig
     cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, offs_m, m_ok, HALF)
-    q_a, q_b = _load_rotated(q_rows, stride_qd, m_ok, cos_a, sin_a, cos_b, sin_b, half, HALF, INTERLEAVED)
+    q_a, q_b = _rotate(q_a, q_b, cos_a, sin_a, cos_b, sin_b)
     q_r = tl.reshape(tl.permute(tl.join(q_a, q_b), (0, 2, 1)), (BLOCK_M, 2 * HALF)).to(q_ptr.dtype.element_ty)
     q_p = tl.load(q_rows + (2 * half + c) * stride_qd, mask=m_ok & (c < n_pass), other=0.0)  # 0s without HAS_PASS
     if SAVE_RQ:
@@ -361,10 +379,11 @@ def rope_attn_fwd_kernel(
 def rope_attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, dq_acc_ptr, seqlen, n_heads, head_dim,
                                stride_ob, stride_os, stride_oh, stride_od, stride_db, stride_ds, stride_dh, stride_dd,
                                BLOCK_M: tl.constexpr, D: tl.constexpr, W: tl.constexpr, W_TILE: tl.constexpr,
-                               ZERO_DQ: tl.constexpr):
+                               ZERO_DQ: tl.constexpr, PDL: tl.constexpr):
     """delta = rowsum(dO * O): the softmax backward's dP correction, one value per query row; with
     ZERO_DQ, also zero these rows of the float32 dq buffer [b, h, s, W] the dkdv kernel adds into
     (here, where the rows are visited anyway, rather than by a memset: one launch fewer)."""
+    _after_previous_kernel(PDL)
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -390,6 +409,7 @@ def rope_attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     W: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, WIDE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One block of keys of one k/v head: dK and dV, summed over the q heads of its group; with
     ATOMIC_DQ, also this block's share of d(Rq), added into the float32 buffer [b, h, s, W] (rotated
@@ -409,6 +429,7 @@ def rope_attn_bwd_dkdv_kernel(
     dk_r = tl.zeros((BLOCK_N, 2 * HALF), tl.float32)
     dk_p = tl.zeros((BLOCK_N, PASS), tl.float32)
     dv = tl.zeros((BLOCK_N, D), tl.float32)
+    _after_previous_kernel(PDL)  # delta, and the zeroed dq sum
     start = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0  # causal: earlier queries cannot see these keys
     for g in range(group):
         bh = b * n_heads + hk * group + g
@@ -573,7 +594,7 @@ def _rope_pass(x, y, freqs, trig, scale, dims, interleaved, tensor_format, to_ro
         x, y, freqs, trig, scale, dims["seqlen"], n_heads, dims["half"], dims["n_pass"], *_strides(x, x_format),
         *_strides(y, y_format), freqs.stride(0), freqs.stride(-1), BLOCK_S=PASS_CONFIG["ROWS"] // heads, HEADS=heads,
         HALF=dims["HALF"], PASS=dims["PASS"], INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0,
-        TO_ROTATED=to_rotated, num_warps=PASS_CONFIG["num_warps"])
+        TO_ROTATED=to_rotated, PDL=PDL, num_warps=PASS_CONFIG["num_warps"], launch_pdl=PDL)
 
 
 def _forward_outputs(q, k, freqs, tensor_format, save_rotated):
@@ -597,7 +618,7 @@ def _forward(q, k, v, freqs, key_mask, sm_scale, causal, interleaved, tensor_for
         *(st for x in (q, v, o) for st in _strides(x, tensor_format)), HALF=dims["HALF"], PASS=dims["PASS"],
         D=dims["D"], W=dims["W"], INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0, CAUSAL=causal,
         HAS_MASK=key_mask is not None, EVEN_N=dims["seqlen"] % cfg["BLOCK_N"] == 0, EVEN_D=dims["D"] == dims["head_dim"],
-        SAVE_RQ=save_rotated, WIDE=_wide(dims, tensor_format, q, v, o), **cfg)
+        SAVE_RQ=save_rotated, WIDE=_wide(dims, tensor_format, q, v, o), PDL=PDL, launch_pdl=PDL, **cfg)
     return o, lse, rq, rk, trig
 
 
@@ -616,11 +637,12 @@ def _backward(do, rq, rk, v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, 
     delta = torch.empty_like(lse)
     rope_attn_bwd_delta_kernel[(triton.cdiv(s, 64), b * h)](
         o, do, delta, dq_acc, s, h, dims["head_dim"], *strides(o, do), BLOCK_M=64, D=D, W=w, W_TILE=_pow2(w, 16),
-        ZERO_DQ=atomic_dq)
+        ZERO_DQ=atomic_dq, PDL=PDL, launch_pdl=PDL)
     cfg = _config("dkdv", dims["head_dim"])
     rope_attn_bwd_dkdv_kernel[(triton.cdiv(s, cfg["BLOCK_N"]), b * h_kv)](
         rq, rk, v, do, dk, dv, dq_acc, lse, delta, trig, key_mask, *scalars, *strides(v, do, dk, dv),
-        EVEN_M=s % cfg["BLOCK_M"] == 0, EVEN_N=s % cfg["BLOCK_N"] == 0, ATOMIC_DQ=atomic_dq, **common, **cfg)
+        EVEN_M=s % cfg["BLOCK_M"] == 0, EVEN_N=s % cfg["BLOCK_N"] == 0, ATOMIC_DQ=atomic_dq, PDL=PDL,
+        launch_pdl=PDL, **common, **cfg)
     if atomic_dq:
         _rope_pass(dq_acc, dq, trig, trig, sm_scale, dims, interleaved, tensor_format, to_rotated=False)
         return
@@ -866,30 +888,24 @@ BENCH_SHAPES = [  # (b, h, s, d, causal, padding mask)
     (16, 12, 512, 64, False, False), (16, 12, 512, 64, False, True), (8, 16, 2048, 64, False, False),
     (4, 32, 4096, 128, False, False), (4, 32, 4096, 128, True, False), (2, 16, 8192, 64, True, False)]
 CPU_SHAPES = [(1, 2, 64, 32, True, True)]
+TABLE_HEADER = ("| (b, h, s, d) | causal | padding mask | provider | fwd TF/s | fwd+bwd TF/s | of the matmul, fwd / "
+                "fwd+bwd | peak extra memory, fwd+bwd | timing |\n|---|---|---|---|---|---|---|---|---|")
 
 
 def _time_ms(fn):
+    """(ms, how): the median of three do_bench_cudagraph medians (each 10 replays of a graph of ~40 ms
+    of calls), or do_bench's median where fn cannot be captured; wall time on the CPU."""
     if DEVICE.type != "cuda":
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3, "wall"
     try:
-        with torch.cuda.stream(torch.cuda.Stream()):  # each: 10 replays of a graph of ~40 ms of calls
+        with torch.cuda.stream(torch.cuda.Stream()):
             return statistics.median(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
                                      for _ in range(3)), "graph"
-    except Exception:  # not capturable (e.g. a first call that syncs): time calls issued one by one
+    except Exception:  # noqa: BLE001  (not capturable, e.g. a first call that syncs)
         torch.cuda.synchronize()
         return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median"), "stream"
-
-
-def _load_sibling(filename):
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), filename)
-    if not os.path.exists(path):
-        return None
-    spec = importlib.util.spec_from_file_location(filename[:-3].lstrip("0123456789_"), path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _providers(freqs, causal, mask, rope03, b, s, dtype):
@@ -936,8 +952,8 @@ def _providers(freqs, causal, mask, rope03, b, s, dtype):
     return fns
 
 
-def measure(b, h, s, d, causal, padded, rope03, providers=None):
-    """Rows of forward and forward + backward timings at one shape, for each provider (or those named)."""
+def measure(b, h, s, d, causal, padded, rope03, yardstick):
+    """Forward and forward + backward of every provider at one shape: the table's rows, printed as they come."""
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
     q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
     freqs, mask = rope_freqs(s, d, device=DEVICE), None
@@ -945,12 +961,10 @@ def measure(b, h, s, d, causal, padded, rope03, providers=None):
         mask = torch.arange(s, device=DEVICE)[None, :] < torch.randint(s // 2, s + 1, (b, 1), device=DEVICE)
     flops, dout, rows = 4 * b * h * s * s * d * (0.5 if causal else 1.0), torch.randn_like(q), []
     for name, fn in _providers(freqs, causal, mask, rope03, b, s, dtype).items():
-        if providers is not None and not any(p in name for p in providers):
-            continue
         try:
             torch.autograd.grad(fn(q, k, v), (q, k, v), dout)  # compiles, where it does
         except Exception as e:  # noqa: BLE001  (a backend that does not take this shape)
-            print(f"{(b, h, s, d)} causal={causal} mask={padded} {name}: n/a ({type(e).__name__})")
+            print(f"| {(b, h, s, d)} | {causal} | {padded} | {name} | n/a ({type(e).__name__}) |")
             continue
         (fwd_ms, fwd_how), (both_ms, both_how) = (_time_ms(lambda: fn(q, k, v)), _time_ms(
             lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout)))
@@ -960,12 +974,13 @@ def measure(b, h, s, d, causal, padded, rope03, providers=None):
             base = torch.cuda.memory_allocated()
             torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
             peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
-        rows.append(dict(shape=(b, h, s, d), causal=causal, padded=padded, provider=name, fwd_ms=fwd_ms,
-                         both_ms=both_ms, fwd_tflops=flops / fwd_ms / 1e9, both_tflops=3.5 * flops / both_ms / 1e9,
-                         peak_mb=peak_mb, timing=fwd_how if fwd_how == both_how else f"{fwd_how}/{both_how}"))
-        print(f"{str((b, h, s, d)):>20} causal={causal!s:5} mask={padded!s:5} {name:>38} fwd {fwd_ms * 1e3:8.1f} us "
-              f"{rows[-1]['fwd_tflops']:6.1f} TF/s  fwd+bwd {both_ms * 1e3:8.1f} us {rows[-1]['both_tflops']:6.1f} "
-              f"TF/s  peak +{peak_mb:.0f} MiB ({rows[-1]['timing']})")
+        fwd_tflops, both_tflops = flops / fwd_ms / 1e9, 3.5 * flops / both_ms / 1e9
+        of_matmul = f"{fwd_tflops / yardstick:.0%} / {both_tflops / yardstick:.0%}" if yardstick else "n/a"
+        rows.append(dict(case=((b, h, s, d), causal, padded), provider=name, fwd_tflops=fwd_tflops,
+                         both_tflops=both_tflops, text=f"| {(b, h, s, d)} | {causal} | {padded} | {name} | "
+                         f"{fwd_tflops:.0f} ({fwd_ms * 1e3:.0f} us) | {both_tflops:.0f} ({both_ms * 1e3:.0f} us) | "
+                         f"{of_matmul} | {peak_mb:.0f} MiB | {fwd_how if fwd_how == both_how else fwd_how + '/' + both_how} |"))
+        print(rows[-1]["text"], flush=True)
     return rows
 
 
@@ -973,26 +988,26 @@ def benchmark():
     """(rows at BENCH_SHAPES, the yardstick: TF/s of a bf16 8192^3 matmul on this GPU, None on the CPU)."""
     if DEVICE.type != "cuda":
         print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
-              "show that the benchmark runs; they say nothing about speed.")
-        return [r for shape in CPU_SHAPES for r in measure(*shape, None)], None
+              "show that the benchmark runs; they say nothing about speed.\n" + TABLE_HEADER)
+        return [r for shape in CPU_SHAPES for r in measure(*shape, None, None)], None
     a, b = (torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     yardstick = 2 * 8192**3 / _time_ms(lambda: a @ b)[0] / 1e9
-    print(f"yardstick: a bf16 8192^3 matmul runs at {yardstick:.0f} TF/s on this GPU")
-    rope03 = _load_sibling("03_rope_bwd.py")
-    return [r for shape in BENCH_SHAPES for r in measure(*shape, rope03)], yardstick
+    print(f"yardstick: a bf16 8192^3 matmul runs at {yardstick:.0f} TF/s on this GPU\n" + TABLE_HEADER)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "03_rope_bwd.py")
+    rope03 = None  # 03's RoPE, the unfused paths' first step: loaded from beside this file, when it is there
+    if os.path.exists(path):
+        spec = importlib.util.spec_from_file_location("rope_bwd", path)
+        rope03 = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(rope03)
+    return [r for shape in BENCH_SHAPES for r in measure(*shape, rope03, yardstick)], yardstick
 
 
 def save_results(rows, yardstick, results_dir, command):
-    """results/04_rope_attention_<gpu>.md (the table, which is also returned) and .png (the plot)."""
+    """results/04_rope_attention_<gpu>.md (the table) and .png (the plot)."""
     gpu = next((w for w in torch.cuda.get_device_name().split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
     stem = os.path.join(results_dir, f"04_rope_attention_{gpu}")
     with open(__file__, "rb") as f:  # names the code measured (a copy's git history may be stale)
         md5 = hashlib.md5(f.read()).hexdigest()
-    table = ["| (b, h, s, d) | causal | padding mask | provider | fwd TF/s | fwd+bwd TF/s | of the matmul, fwd / "
-             "fwd+bwd | peak extra memory, fwd+bwd | timing |", "|---|---|---|---|---|---|---|---|---|"]
-    table += [f"| {r['shape']} | {r['causal']} | {r['padded']} | {r['provider']} | {r['fwd_tflops']:.0f} ({r['fwd_ms'] * 1e3:.0f}"
-              f" us) | {r['both_tflops']:.0f} ({r['both_ms'] * 1e3:.0f} us) | {r['fwd_tflops'] / yardstick:.0%} / "
-              f"{r['both_tflops'] / yardstick:.0%} | {r['peak_mb']:.0f} MiB | {r['timing']} |" for r in rows]
     os.makedirs(results_dir, exist_ok=True)
     with open(stem + ".md", "w") as f:
         f.write(f"# RoPE + attention on the {gpu}: fused against RoPE then attention\n\n{environment()}; "
@@ -1001,29 +1016,27 @@ def save_results(rows, yardstick, results_dir, command):
                 "way.\n\nbf16. TF/s count 4*b*h*s^2*d FLOPs, halved when causal, x3.5 for forward + backward. "
                 "'graph': GPU time replayed from a CUDA graph (median of three do_bench_cudagraph(rep=40) medians); "
                 "'stream': do_bench. Peak extra memory: what one forward + backward allocated above the inputs."
-                "\n\n" + "\n".join(table) + "\n")
+                "\n\n" + "\n".join([TABLE_HEADER] + [r["text"] for r in rows]) + "\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
-        return "\n".join(table)
-    groups = list(dict.fromkeys((r["shape"], r["causal"], r["padded"]) for r in rows))
-    providers = list(dict.fromkeys(r["provider"] for r in rows))
+        return
+    cases, providers = (list(dict.fromkeys(r[key] for r in rows)) for key in ("case", "provider"))
     fig, axes = plt.subplots(1, 2, figsize=(15, 4.8))
     width = 0.8 / len(providers)
     for ax, key, title in zip(axes, ("fwd_tflops", "both_tflops"), ("forward", "forward + backward")):
         for n, provider in enumerate(providers):
-            vals = {(r["shape"], r["causal"], r["padded"]): r[key] for r in rows if r["provider"] == provider}
-            ax.bar([g + n * width for g in range(len(groups))], [vals.get(g, 0) for g in groups], width, label=provider)
-        ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
-        ax.set_xticklabels([f"{s}\n{'causal' if c else ''}{' mask' if p else ''}" for s, c, p in groups], fontsize=7)
+            vals = {r["case"]: r[key] for r in rows if r["provider"] == provider}
+            ax.bar([i + n * width for i in range(len(cases))], [vals.get(c, 0) for c in cases], width, label=provider)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+        ax.set_xticklabels([f"{s}\n{'causal' if c else ''}{' mask' if p else ''}" for s, c, p in cases], fontsize=7)
         ax.set(ylabel="TF/s", title=f"RoPE + attention, {title} ({gpu}, bf16)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(stem + ".png", dpi=120)
-    return "\n".join(table)
 
 
 def environment():
@@ -1041,4 +1054,4 @@ if __name__ == "__main__":
     self_check()
     rows, yardstick = benchmark()
     if DEVICE.type == "cuda":
-        print("\n" + save_results(rows, yardstick, args.results, "python " + " ".join(sys.argv)))
+        save_results(rows, yardstick, args.results, "python " + " ".join(sys.argv))
