@@ -149,8 +149,9 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # Between the kernels (Hopper on): programmatic dependent launch lets a kernel's programs start
 # while the kernel before it drains its last wave. Each waits (gdc_wait) before it reads what that
 # kernel wrote, or writes anything, so memory effects keep their order; the forward and the dK/dV
-# kernel load their first tiles before waiting. On an H200 this takes 1-2 us off the 61 us forward
-# at s = 512 and is within noise from s = 2048 (results/04_rope_attention_ab.log).
+# kernel load their first tiles before waiting. This takes 2-3 us off the 61-64 us forward at
+# s = 512 and up to 1% elsewhere, but costs 1-2% of the forward at (4, 32, 4096, 128), on an H100
+# and an H200 (results/04_rope_attention_ab.log).
 #
 # Offsets: a head's base pointer is int64; offsets within a head are int32 (fewer registers next
 # to the accumulators) unless they could reach 2^31 (WIDE).
