@@ -1001,9 +1001,11 @@ def bench(args, ddp, rank, world, device):
                     torch.cuda.reset_peak_memory_stats()
                 step_ms[name].append(timed_steps(train_step))
             peak[name] = max(peak.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30) if on_gpu else float("nan")
-            if args.bench_profile and on_gpu and round_ == 0 and rank == 0:
-                print(f"{name:>15}: one step's GPU time by kernel family: " + ", ".join(
-                    f"{family} {n} kernels {ms:.1f} ms" for family, (n, ms) in kernel_families(train_step).items()))
+            if args.bench_profile and on_gpu and round_ == 0:  # every rank runs the step: DDP's collectives pair up
+                families = kernel_families(train_step)
+                if rank == 0:
+                    print(f"{name:>15}: one step's GPU time by kernel family: " + ", ".join(
+                        f"{family} {n} kernels {ms:.1f} ms" for family, (n, ms) in families.items()))
             del model, optimizer, train_step
             gc.collect()  # graphed layers refer to themselves: only the collector frees them and their graphs
             if on_gpu:
