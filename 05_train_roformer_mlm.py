@@ -520,7 +520,8 @@ def parse_args(argv=None):
     p.add_argument("--bench-paths", default=None, metavar="P,Q", help="--bench only these, e.g. fused,fused+compile "
                    "(a path, then +compile or +graphs; hf is Hugging Face's model)")
     p.add_argument("--bench-profile", action="store_true", help="--bench: also profile one step of each path and "
-                   "print its GPU time by kernel family (matmuls, our kernels, Inductor's fused kernels, the rest)")
+                   "print its GPU time by kernel family (matmuls, our kernels, Inductor's fused kernels, the rest; "
+                   "on the CPU, its ops' CPU time)")
     p.add_argument("--bench-steps", type=int, default=20 if on_gpu else 1, help="timed steps per path and round")
     p.add_argument("--bench-rounds", type=int, default=2 if on_gpu else 1,
                    help="rounds over all paths, in alternating order (clock or heat drift then hits every path alike)")
@@ -1001,10 +1002,10 @@ def bench(args, ddp, rank, world, device):
                     torch.cuda.reset_peak_memory_stats()
                 step_ms[name].append(timed_steps(train_step))
             peak[name] = max(peak.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30) if on_gpu else float("nan")
-            if args.bench_profile and on_gpu and round_ == 0:  # every rank runs the step: DDP's collectives pair up
-                families = kernel_families(train_step)
+            if args.bench_profile and round_ == 0:  # every rank runs the step: DDP's collectives pair up
+                families = kernel_families(train_step, on_gpu)
                 if rank == 0:
-                    print(f"{name:>15}: one step's GPU time by kernel family: " + ", ".join(
+                    print(f"{name:>15}: one step's {'GPU' if on_gpu else 'CPU'} time by kernel family: " + ", ".join(
                         f"{family} {n} kernels {ms:.1f} ms" for family, (n, ms) in families.items()))
             del model, optimizer, train_step
             gc.collect()  # graphed layers refer to themselves: only the collector frees them and their graphs
@@ -1041,16 +1042,18 @@ def bench(args, ddp, rank, world, device):
     return results
 
 
-def kernel_families(train_step):
-    """{family: (kernels, GPU ms)} of one training step, from torch.profiler: where the time goes, and
-    what torch.compile fused (Inductor's kernels are named triton_*) and what it left as it was."""
+def kernel_families(train_step, on_gpu=True):
+    """{family: (kernels, ms)} of one training step, from torch.profiler: where the GPU's time goes, and
+    what torch.compile fused (Inductor's kernels are named triton_*) and what it left as it was. On
+    the CPU: the ops' own CPU time, by the same names."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
         train_step()
-        torch.cuda.synchronize()
+        if on_gpu:
+            torch.cuda.synchronize()
     families = {}
     for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
+        if e.device_type != (torch.autograd.DeviceType.CUDA if on_gpu else torch.autograd.DeviceType.CPU):
             continue
         name = e.name.lower()
         family = ("matmuls" if any(w in name for w in ("gemm", "nvjet", "cutlass", "xmma", "splitk")) else
@@ -1058,7 +1061,7 @@ def kernel_families(train_step):
                   "attention (SDPA)" if any(w in name for w in ("flash", "fmha", "cudnn", "attention")) else
                   "Inductor's fused kernels" if name.startswith("triton_") else "other PyTorch kernels")
         n, ms = families.get(family, (0, 0.0))
-        families[family] = (n + 1, ms + e.device_time_total / 1e3)
+        families[family] = (n + 1, ms + (e.device_time_total if on_gpu else e.self_cpu_time_total) / 1e3)
     return dict(sorted(families.items(), key=lambda kv: -kv[1][1]))
 
 

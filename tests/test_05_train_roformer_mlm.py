@@ -337,23 +337,37 @@ def test_default_run_writes_logs_and_a_checkpoint(tmp_path):
     assert {"ckpt.pt", "log.json", "log.csv"} <= set(os.listdir(tmp_path))
 
 
-@pytest.mark.skipif(ON_GPU or shutil.which("torchrun") is None, reason="DDP over gloo on the CPU")
-@pytest.mark.parametrize("compile_flag", ["--no-compile", "--compile"])
-def test_ddp_two_ranks_on_cpu(tmp_path, compile_flag):
+def _torchrun_two_ranks(args, out, timeout=600):
+    """05 under torchrun with two ranks (gloo); the finished process."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for attempt in range(2):
-        out = tmp_path / f"attempt{attempt}"
         result = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", str(ROOT / "05_train_roformer_mlm.py"),
-                                 "--out", str(out), "--max-steps", "4"] + TINY + [compile_flag],
-                                 capture_output=True, text=True, timeout=600, env=env)
+                                 "--out", str(out)] + args, capture_output=True, text=True, timeout=timeout, env=env)
         # Rarely, a rank that finished its run aborts at exit ("terminate called without an active exception"),
         # as gloo's threads race the interpreter's finalization (pytorch/pytorch#179291). Once more; a real
         # failure repeats.
         if result.returncode == 0 or "terminate called without an active exception" not in result.stderr:
             break
     assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+@pytest.mark.skipif(ON_GPU or shutil.which("torchrun") is None, reason="DDP over gloo on the CPU")
+@pytest.mark.parametrize("compile_flag", ["--no-compile", "--compile"])
+def test_ddp_two_ranks_on_cpu(tmp_path, compile_flag):
+    result = _torchrun_two_ranks(["--max-steps", "4"] + TINY + [compile_flag], tmp_path)
     assert "2 rank(s)" in result.stdout and ("torch.compile" in result.stdout) == (compile_flag == "--compile")
-    assert torch.load(out / "ckpt.pt", weights_only=True)["seen"] == [8, 8]  # 4 steps x batch 2, per rank
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["seen"] == [8, 8]  # 4 steps x batch 2, per rank
+
+
+@pytest.mark.skipif(ON_GPU or shutil.which("torchrun") is None, reason="DDP over gloo on the CPU")
+def test_bench_profile_under_ddp(tmp_path):
+    # the profiled step runs on every rank: on rank 0 alone, its gradient all-reduce would meet rank 1's next
+    # collective (the next path's DDP broadcast), and the ranks would wait on each other (gloo: 30 minutes)
+    result = _torchrun_two_ranks(["--bench", "--bench-profile", "--bench-steps", "1", "--bench-rounds", "1",
+                                  "--bench-paths", "torch,naive"], tmp_path, timeout=180)
+    assert result.stdout.count("one step's CPU time by kernel family") == 2  # printed by rank 0 only
+    assert [r["attn"] for r in json.loads((tmp_path / "bench_2rank.json").read_text())["results"]] == ["torch", "naive"]
 
 
 def test_compare_two_paths_from_the_same_seed(tmp_path, capsys):
