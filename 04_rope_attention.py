@@ -4,18 +4,16 @@ RoPE fused into attention, forward and backward
 
 In this tutorial, you will learn about:
 
-* where the rotation belongs: RoPE is O(s) work and attention O(s^2), so K is rotated once, in a
-  pass of its own, and q in the forward's prologue; both are saved rotated, and no attention loop
-  rotates anything;
-* a layout for the rotated tensors (the halves of each pair side by side, zero-padded) in which
-  every loop loads one whole tile per step and computes QK^T as one dot;
-* the backward: gradients accumulate in the rotated basis and are rotated back once, as dk and
-  dq are stored, exactly, because RoPE is linear and acts on each row alone; dq by float32
-  atomics, or deterministic by a second kernel;
+* where the rotation belongs: RoPE is O(s) work and attention O(s^2), so K is rotated once in a
+  pass of its own, q in the forward's prologue, both saved rotated: no attention loop rotates;
+* a rotated layout (the halves of each pair side by side, zero-padded) in which every loop loads
+  one whole tile per step and computes QK^T as one dot;
+* the backward in the rotated basis, rotated back once as dk and dq are stored (exact: RoPE is
+  linear and acts on each row alone); dq by float32 atomics, or deterministic by a second kernel;
 * online softmax with key-padding and causal masks, grouped-query attention, odd lengths, head
-  dims that are not powers of two, partial rotary, both pairings, and packed qkv;
-* programmatic dependent launch (Hopper): each kernel starts while the one before it drains;
-* opaque ``torch.library.custom_op``s, so that ``torch.compile(fullgraph=True)`` takes them whole;
+  dims that are not powers of two, partial rotary, both pairings, packed qkv;
+* programmatic dependent launch (Hopper), and opaque ``torch.library.custom_op``s that
+  ``torch.compile(fullgraph=True)`` takes whole;
 * benchmarking against 03's RoPE followed by SDPA (cuDNN, flash) and FlexAttention, eager and compiled.
 
 Run ``python 04_rope_attention.py``: it checks itself against a float32 PyTorch reference, then
@@ -29,11 +27,11 @@ benchmarks. This file imports only torch and triton: copy it alone into your pro
 # triton is imported.
 import argparse
 import datetime
+import functools
 import hashlib
 import importlib.util
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -50,7 +48,6 @@ import triton.language as tl
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: a global there must be a tl.constexpr
-PDL = DEVICE.type == "cuda" and torch.cuda.get_device_capability()[0] >= 9  # programmatic dependent launch
 
 # %%
 # The PyTorch reference
@@ -109,20 +106,16 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # - RoPE then attention (03 + SDPA or FlexAttention): RoPE reads q, k and writes rotated copies
 #   (4U), attention reads them and v and writes o (4U); the backward reads 5U and writes 3U, then
 #   RoPE's backward reads and writes dq and dk (4U): 8U + 12U.
-# - Here: a pass rotates K once (2U); the forward rotates its q tile in the prologue and, when a
-#   backward will run, saves it (1U); attention reads 4U. The backward reads the saved rq and rk
-#   and rotates dk and dq back as they are stored: 7U + 8U, and every loop is plain FlashAttention.
-# The pass also takes cos and sin once per position for all heads, into a float32 table
-# [s, 4 * HALF] that the other kernels read, and loads BLOCK_S positions of all heads as one tile.
+# - Here: a pass rotates K once (2U) and writes cos and sin once per position into a float32 table
+#   [s, 4 * HALF] that the other kernels read; the forward rotates its q tile in the prologue and,
+#   when a backward will run, saves it (1U); attention reads 4U. The backward reads the saved rq
+#   and rk and rotates dk and dq back as they are stored: 7U + 8U, every loop plain FlashAttention.
 # What did not help (results/04_rope_attention_ab.log, an H100 and an H200):
-# - rotating each K tile inside the loops, with no pass: O(s^2 / BLOCK_M) rotations on the loop
-#   that sets the pace. The forward alone is 3-14% faster up to s = 1024 but 10-20% slower from
-#   2048, and forward + backward is slower everywhere (1-8% at s = 512, 8-15% from 1024);
-# - rotating q again in the backward instead of saving rq: the forward is 2-6% faster at s = 512,
-#   forward + backward 2-3% slower (the write moves from a kernel bound by arithmetic into one
-#   bound by bytes);
-# - libdevice's sin and cos per element in each prologue instead of the table: as costly as the
-#   whole loop at s = 512.
+# - rotating each K tile inside the loops, with no pass: the forward is 3-14% faster up to
+#   s = 1024, 10-20% slower from 2048, and forward + backward slower everywhere (1-15%);
+# - rotating q again in the backward instead of saving rq: forward 2-6% faster at s = 512,
+#   forward + backward 2-3% slower (the write moves into a kernel bound by bytes);
+# - sin and cos per element in each prologue instead of the table: as costly as the whole loop at s = 512.
 #
 # The rotated layout
 # ------------------
@@ -131,7 +124,7 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # interleaved: 2i), zero-padded to a power of two HALF, then the b members likewise, then the
 # d - d2 channels that are not rotated: W = 2 * HALF + d - d2. A loop loads a tile as one
 # [rows, 2 * HALF] block with no channel mask, and QK^T is one dot (plus one for the pass-through
-# channels); their pad lanes are written as 0. q and k are rotated in float32 and rounded once.
+# channels). q and k are rotated in float32 and rounded once.
 #
 # The backward
 # ------------
@@ -140,19 +133,18 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # and depends only on its position, so dq = R^T d(Rq) row by row (the sines trade halves and
 # change sign), applied once per finished tile.
 # One program per block of keys loops over the query tiles: it recomputes P^T = exp(S^T - lse) and
-# dP^T = V dO^T and accumulates dV += P^T dO and d(Rk) += dS^T Rq in registers. dQ needs the
-# opposite loop; a second kernel that recomputes P and dP costs 7 matmuls per tile pair instead of
-# 5, so by default each key block adds dS Rk into a float32 d(Rq) buffer with atomic adds, as
-# FlashAttention 2 does, and the pass rotates it back. Atomics add in no fixed order (dq's last
-# bits vary between runs): under torch.use_deterministic_algorithms(True) the second kernel runs.
+# dP^T = V dO^T, accumulates dV += P^T dO and d(Rk) += dS^T Rq in registers, and adds dS Rk into a
+# float32 d(Rq) sum with atomics, as FlashAttention 2 does; the pass rotates the sum back. Atomics
+# add in no fixed order (dq's last bits vary between runs): under
+# torch.use_deterministic_algorithms(True) a second kernel loops the other way, over the keys of
+# each query block, recomputing P and dP (7 matmuls per tile pair instead of 5). One launch per
+# block of keys would also fix the order, but leaves too few programs per launch: 25-42% slower
+# forward + backward, 3x at (2, 16, 8192, 64) (results/04_rope_attention_ab.log).
 #
-# Between the kernels (Hopper on): programmatic dependent launch lets a kernel's programs start
-# while the kernel before it drains its last wave. Each waits (gdc_wait) before it reads what that
-# kernel wrote, or writes anything, so memory effects keep their order; the forward and the dK/dV
-# kernel load their first tiles before waiting. This takes 2-3 us off the 61-64 us forward at
-# s = 512 and up to 1% elsewhere, but costs 1-2% of the forward at (4, 32, 4096, 128), on an H100
-# and an H200 (results/04_rope_attention_ab.log).
-#
+# Programmatic dependent launch (Hopper on) lets a kernel's programs start while the one before it
+# drains its last wave; each waits (gdc_wait) before it reads what that kernel wrote, or writes
+# anything. At s = 512 this takes 2-3 us off a 61-64 us forward; at (4, 32, 4096, 128) it costs
+# 1-2% of the forward (results/04_rope_attention_ab.log).
 # Offsets: a head's base pointer is int64; offsets within a head are int32 (fewer registers next
 # to the accumulators) unless they could reach 2^31 (WIDE).
 
@@ -200,20 +192,6 @@ def _load_pairs(rows, stride_d, rows_ok, half, HALF: tl.constexpr, INTERLEAVED: 
 
 
 @triton.jit
-def _store_pairs(rows, stride_d, rows_ok, y_a, y_b, half, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """The inverse of _load_pairs: y_a and y_b stored as the pairs of `rows`, in the rows' dtype."""
-    dtype = rows.dtype.element_ty
-    if INTERLEAVED:
-        c = tl.arange(0, 2 * HALF)[None, :]
-        tl.store(rows + c * stride_d, tl.reshape(tl.join(y_a, y_b), (y_a.shape[0], 2 * HALF)).to(dtype),
-                 mask=rows_ok & (c < 2 * half))
-    else:
-        i = tl.arange(0, HALF)[None, :]
-        tl.store(rows + i * stride_d, y_a.to(dtype), mask=rows_ok & (i < half))
-        tl.store(rows + (i + half) * stride_d, y_b.to(dtype), mask=rows_ok & (i < half))
-
-
-@triton.jit
 def _trig(trig_ptr, pos, rows_ok, HALF: tl.constexpr):
     """cos and sin of the a and b angles of positions `pos`, [len(pos), HALF] each, from the table the pass wrote."""
     rows = trig_ptr + pos[:, None] * (4 * HALF) + tl.arange(0, HALF)[None, :]
@@ -231,12 +209,22 @@ def _rotate(x_a, x_b, cos_a, sin_a, cos_b, sin_b):
 def _store_gradient(rows, stride_d, rows_ok, g_r, g_p, cos_a, sin_a, cos_b, sin_b, half, n_pass, HALF: tl.constexpr,
                     PASS: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr):
     """Store a gradient held in the rotated layout (g_r: [rows, 2 * HALF], the halves side by side;
-    g_p: the pass-through channels) in the tensor's own basis, layout and dtype: R^T g, then g_p."""
+    g_p: the pass-through channels) in the tensor's own basis, layout and dtype: R^T g, then g_p.
+    The inverse of _load_pairs for the rotated channels."""
+    dtype = rows.dtype.element_ty
     g_a, g_b = tl.split(tl.permute(tl.reshape(g_r, (g_r.shape[0], 2, HALF)), (0, 2, 1)))
-    _store_pairs(rows, stride_d, rows_ok, g_a * cos_a + g_b * sin_b, g_b * cos_b - g_a * sin_a, half, HALF, INTERLEAVED)
+    y_a, y_b = g_a * cos_a + g_b * sin_b, g_b * cos_b - g_a * sin_a
+    if INTERLEAVED:
+        c = tl.arange(0, 2 * HALF)[None, :]
+        tl.store(rows + c * stride_d, tl.reshape(tl.join(y_a, y_b), (y_a.shape[0], 2 * HALF)).to(dtype),
+                 mask=rows_ok & (c < 2 * half))
+    else:
+        i = tl.arange(0, HALF)[None, :]
+        tl.store(rows + i * stride_d, y_a.to(dtype), mask=rows_ok & (i < half))
+        tl.store(rows + (i + half) * stride_d, y_b.to(dtype), mask=rows_ok & (i < half))
     if HAS_PASS:
         c = tl.arange(0, PASS)[None, :]
-        tl.store(rows + (2 * half + c) * stride_d, g_p.to(rows.dtype.element_ty), mask=rows_ok & (c < n_pass))
+        tl.store(rows + (2 * half + c) * stride_d, g_p.to(dtype), mask=rows_ok & (c < n_pass))
 
 
 @triton.jit
@@ -310,6 +298,21 @@ def _masked(x, q_idx, k_idx, seqlen, key_mask_row, fill, diagonal, CAUSAL: tl.co
 
 
 @triton.jit
+def _scores(x_r, x_p, y_rows, y_ok, n_pass, HALF: tl.constexpr, PASS: tl.constexpr, HAS_PASS: tl.constexpr,
+            EVEN: tl.constexpr):
+    """x y^T for a tile x held in registers (x_r: the rotated halves, x_p: the pass-through channels)
+    and the rows y_rows of rq or rk, loaded whole; returns the scores and y's two parts."""
+    y_r = _load(y_rows + tl.arange(0, 2 * HALF)[None, :], y_ok, 0.0, EVEN)
+    scores = tl.dot(x_r, tl.trans(y_r))
+    y_p = x_p  # (unused without HAS_PASS)
+    if HAS_PASS:
+        c = tl.arange(0, PASS)[None, :]
+        y_p = tl.load(y_rows + 2 * HALF + c, mask=y_ok & (c < n_pass), other=0.0)
+        scores = tl.dot(x_p, tl.trans(y_p), scores)
+    return scores, y_r, y_p
+
+
+@triton.jit
 def rope_attn_fwd_kernel(
     q_ptr, rk_ptr, v_ptr, o_ptr, lse_ptr, rq_ptr, trig_ptr, key_mask_ptr,
     qk_scale, seqlen, n_heads, group, half, n_pass,
@@ -325,7 +328,7 @@ def rope_attn_fwd_kernel(
     b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
     offs_m = _positions(pid_m * BLOCK_M, BLOCK_M, WIDE)
     m_ok = (offs_m < seqlen)[:, None]
-    j, c, d = tl.arange(0, 2 * HALF)[None, :], tl.arange(0, PASS)[None, :], tl.arange(0, D)[None, :]
+    c, d = tl.arange(0, PASS)[None, :], tl.arange(0, D)[None, :]
     head_dim = 2 * half + n_pass
     # prologue: this block's q rows rotated, the halves side by side, rounded to q's dtype, saved for the backward
     q_rows = q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
@@ -337,12 +340,11 @@ def rope_attn_fwd_kernel(
     q_p = tl.load(q_rows + (2 * half + c) * stride_qd, mask=m_ok & (c < n_pass), other=0.0)  # 0s without HAS_PASS
     if SAVE_RQ:
         rq_rows = rq_ptr + bh.to(tl.int64) * seqlen * W + offs_m[:, None] * W
-        tl.store(rq_rows + j, q_r, mask=m_ok)
+        tl.store(rq_rows + tl.arange(0, 2 * HALF)[None, :], q_r, mask=m_ok)
         if HAS_PASS:
             tl.store(rq_rows + 2 * HALF + c, q_p, mask=m_ok & (c < n_pass))
     rk_head = rk_ptr + (bh // group).to(tl.int64) * seqlen * W  # rk is [b, h_kv, s, W]: row b * h_kv + h // group
     v_head = v_ptr + b * stride_vb + (h // group) * stride_vh
-    key_mask_row = key_mask_ptr + b * seqlen
     # scores are scaled by qk_scale (the softmax scale in log2 units, for exp2) in float32, in the same
     # multiply-add that subtracts the running max
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max of the scaled scores
@@ -352,12 +354,8 @@ def rope_attn_fwd_kernel(
     for start_n in range(0, hi, BLOCK_N):
         offs_n = _positions(start_n, BLOCK_N, WIDE)
         n_ok = (offs_n < seqlen)[:, None]
-        k_rows = rk_head + offs_n[:, None] * W
-        scores = tl.dot(q_r, tl.trans(_load(k_rows + j, n_ok, 0.0, EVEN_N)))
-        if HAS_PASS:
-            scores = tl.dot(q_p, tl.trans(tl.load(k_rows + 2 * HALF + c, mask=n_ok & (c < n_pass), other=0.0)),
-                            scores)
-        scores = _masked(scores, offs_m[:, None], offs_n[None, :], seqlen, key_mask_row, float("-inf"),
+        scores, _, _ = _scores(q_r, q_p, rk_head + offs_n[:, None] * W, n_ok, n_pass, HALF, PASS, HAS_PASS, EVEN_N)
+        scores = _masked(scores, offs_m[:, None], offs_n[None, :], seqlen, key_mask_ptr + b * seqlen, float("-inf"),
                          start_n + BLOCK_N > pid_m * BLOCK_M, CAUSAL, HAS_MASK, EVEN_N)
         m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
         # with a padding mask, a row that has seen no visible key yet keeps m = -inf: subtract 0 instead
@@ -434,20 +432,14 @@ def rope_attn_bwd_dkdv_kernel(
     start = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0  # causal: earlier queries cannot see these keys
     for g in range(group):
         bh = b * n_heads + hk * group + g
-        q_head = rq_ptr + bh * seqlen * W
         dq_head = dq_acc_ptr + bh * seqlen * W
         do_head = do_ptr + b * stride_db + (hk * group + g) * stride_dh
-        row_stats = bh * seqlen
         for start_m in range(start, seqlen, BLOCK_M):
             offs_m = _positions(start_m, BLOCK_M, WIDE)
             m_ok = (offs_m < seqlen)[:, None]
-            q_rows = q_head + offs_m[:, None] * W
-            q_r = _load(q_rows + j, m_ok, 0.0, EVEN_M)
-            scores_t = tl.dot(k_r, tl.trans(q_r))  # S^T: [BLOCK_N, BLOCK_M]
-            if HAS_PASS:
-                q_p = tl.load(q_rows + 2 * HALF + c, mask=m_ok & (c < n_pass), other=0.0)
-                scores_t = tl.dot(k_p, tl.trans(q_p), scores_t)
-            lse = _load(lse_ptr + row_stats + offs_m, offs_m < seqlen, float("inf"), EVEN_M)
+            scores_t, q_r, q_p = _scores(k_r, k_p, rq_ptr + bh * seqlen * W + offs_m[:, None] * W, m_ok, n_pass, HALF,
+                                         PASS, HAS_PASS, EVEN_M)  # S^T: [BLOCK_N, BLOCK_M]
+            lse = _load(lse_ptr + bh * seqlen + offs_m, offs_m < seqlen, float("inf"), EVEN_M)
             p_t = tl.exp2(scores_t * qk_scale - lse[None, :])
             p_t = _masked(p_t, offs_m[None, :], offs_n[:, None], seqlen, key_mask_ptr + b * seqlen, 0.0,
                           start_m < (pid_n + 1) * BLOCK_N - 1, CAUSAL, HAS_MASK, EVEN_N)
@@ -455,11 +447,10 @@ def rope_attn_bwd_dkdv_kernel(
                        EVEN_M and EVEN_D)
             dv = tl.dot(p_t.to(do.dtype), do, dv)
             dp_t = tl.dot(v, tl.trans(do))
-            delta = _load(delta_ptr + row_stats + offs_m, offs_m < seqlen, 0.0, EVEN_M)
+            delta = _load(delta_ptr + bh * seqlen + offs_m, offs_m < seqlen, 0.0, EVEN_M)
             ds_t = (p_t * (dp_t - delta[None, :])).to(q_r.dtype)
             if ATOMIC_DQ:
-                ds = tl.trans(ds_t)
-                dq_rows = dq_head + offs_m[:, None] * W
+                ds, dq_rows = tl.trans(ds_t), dq_head + offs_m[:, None] * W
                 tl.atomic_add(dq_rows + j, tl.dot(ds, k_r), mask=m_ok & (j < 2 * HALF), sem="relaxed")
                 if HAS_PASS:
                     tl.atomic_add(dq_rows + 2 * HALF + c, tl.dot(ds, k_p), mask=m_ok & (c < n_pass), sem="relaxed")
@@ -491,10 +482,10 @@ def rope_attn_bwd_dq_kernel(
     b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
     offs_m = _positions(pid_m * BLOCK_M, BLOCK_M, WIDE)
     m_ok = (offs_m < seqlen)[:, None]
-    j, c, d = tl.arange(0, 2 * HALF)[None, :], tl.arange(0, PASS)[None, :], tl.arange(0, D)[None, :]
+    c, d = tl.arange(0, PASS)[None, :], tl.arange(0, D)[None, :]
     head_dim = 2 * half + n_pass
     q_rows = rq_ptr + bh.to(tl.int64) * seqlen * W + offs_m[:, None] * W
-    q_r = tl.load(q_rows + j, mask=m_ok, other=0.0)
+    q_r = tl.load(q_rows + tl.arange(0, 2 * HALF)[None, :], mask=m_ok, other=0.0)
     q_p = tl.load(q_rows + 2 * HALF + c, mask=m_ok & (c < n_pass), other=0.0)
     do = tl.load(do_ptr + b * stride_db + h * stride_dh + offs_m[:, None] * stride_ds + d * stride_dd,
                  mask=m_ok & (d < head_dim), other=0.0)
@@ -504,16 +495,11 @@ def rope_attn_bwd_dq_kernel(
     v_head = v_ptr + b * stride_vb + (h // group) * stride_vh
     dq_r = tl.zeros((BLOCK_M, 2 * HALF), tl.float32)
     dq_p = tl.zeros((BLOCK_M, PASS), tl.float32)
-    hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen) if CAUSAL else seqlen  # causal: no key past the block's last query
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen) if CAUSAL else seqlen
     for start_n in range(0, hi, BLOCK_N):
         offs_n = _positions(start_n, BLOCK_N, WIDE)
         n_ok = (offs_n < seqlen)[:, None]
-        k_rows = rk_head + offs_n[:, None] * W
-        k_r = _load(k_rows + j, n_ok, 0.0, EVEN_N)
-        scores = tl.dot(q_r, tl.trans(k_r))
-        if HAS_PASS:
-            k_p = tl.load(k_rows + 2 * HALF + c, mask=n_ok & (c < n_pass), other=0.0)
-            scores = tl.dot(q_p, tl.trans(k_p), scores)
+        scores, k_r, k_p = _scores(q_r, q_p, rk_head + offs_n[:, None] * W, n_ok, n_pass, HALF, PASS, HAS_PASS, EVEN_N)
         p = tl.exp2(scores * qk_scale - lse[:, None])
         p = _masked(p, offs_m[:, None], offs_n[None, :], seqlen, key_mask_ptr + b * seqlen, 0.0,
                     start_n + BLOCK_N > pid_m * BLOCK_M, CAUSAL, HAS_MASK, EVEN_N)
@@ -522,11 +508,10 @@ def rope_attn_bwd_dq_kernel(
         dq_r = tl.dot(ds, k_r, dq_r)
         if HAS_PASS:
             dq_p = tl.dot(ds, k_p, dq_p)
-    sm_scale = qk_scale * LN2
     cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, offs_m, m_ok, HALF)
     _store_gradient(dq_ptr + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs, stride_dqd, m_ok,
-                    dq_r * sm_scale, dq_p * sm_scale, cos_a, sin_a, cos_b, sin_b, half, n_pass, HALF, PASS,
-                    INTERLEAVED, HAS_PASS)
+                    dq_r * (qk_scale * LN2), dq_p * (qk_scale * LN2), cos_a, sin_a, cos_b, sin_b, half, n_pass, HALF,
+                    PASS, INTERLEAVED, HAS_PASS)
 
 
 # %%
@@ -558,6 +543,12 @@ def _config(kernel, head_dim, seqlen=0, causal=False):
     return config if DEVICE.type == "cuda" else dict(config, BLOCK_M=32, BLOCK_N=32, num_warps=4)
 
 
+@functools.lru_cache(maxsize=None)
+def _pdl(device):
+    """Programmatic dependent launch: on the GPU that runs the call, when it is a Hopper or later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _pow2(n, at_least):
     return max(at_least, 1 << (int(n) - 1).bit_length())
 
@@ -572,30 +563,39 @@ def _dims(q, k, rot_dim, tensor_format):
                 D=_pow2(q.shape[3], 16))
 
 
-def _strides(x, tensor_format):
-    """x's strides in (b, s, h, d) order; "rotated" is the [b, h, s, W] layout of rq, rk and the dq sum."""
-    st = x.stride()
-    return {"sbhd": (st[1], st[0], st[2], st[3]), "rotated": (st[0], st[2], st[1], st[3])}.get(tensor_format, st)
+def _strides(tensor_format, *tensors):
+    """The tensors' strides in (b, s, h, d) order, one after the other; "rotated" is the [b, h, s, W]
+    layout of rq, rk and the dq sum."""
+    order = {"sbhd": (1, 0, 2, 3), "rotated": (0, 2, 1, 3)}.get(tensor_format, (0, 1, 2, 3))
+    return [x.stride(i) for x in tensors for i in order]
 
 
 def _wide(dims, tensor_format, *tensors):
     """WIDE: could a position's offset within one head (user layouts, or the rotated one) reach INT32_LIMIT?"""
-    ends = [(dims["seqlen"] - 1) * abs(st[1]) + (dims["head_dim"] - 1) * abs(st[3])
-            for st in (_strides(x, tensor_format) for x in tensors)]
+    strides = _strides(tensor_format, *tensors)
+    ends = [(dims["seqlen"] - 1) * abs(st_s) + (dims["head_dim"] - 1) * abs(st_d)
+            for st_s, st_d in zip(strides[1::4], strides[3::4])]
     return max(ends + [dims["seqlen"] * dims["W"]]) >= INT32_LIMIT
 
 
-def _rope_pass(x, y, freqs, trig, scale, dims, interleaved, tensor_format, to_rotated):
+def _constexprs(dims, causal, interleaved, key_mask, tensor_format, *tensors):
+    """The compile-time arguments the attention kernels share."""
+    return dict(HALF=dims["HALF"], PASS=dims["PASS"], D=dims["D"], W=dims["W"], INTERLEAVED=interleaved,
+                HAS_PASS=dims["n_pass"] > 0, CAUSAL=causal, HAS_MASK=key_mask is not None,
+                EVEN_D=dims["D"] == dims["head_dim"], WIDE=_wide(dims, tensor_format, *tensors))
+
+
+def _rope_pass(x, y, freqs, trig, scale, dims, interleaved, tensor_format, to_rotated, pdl):
     """k -> rk and the cos/sin table (to_rotated; freqs read), or the float32 dq sum -> dq (scale * R^T)."""
     x_format, y_format = (tensor_format, "rotated") if to_rotated else ("rotated", tensor_format)
     n_heads = y.shape[1] if to_rotated else x.shape[1]
     heads = min(_pow2(n_heads, 1), PASS_CONFIG["ROWS"])
     rope_pass_kernel[(triton.cdiv(dims["seqlen"], PASS_CONFIG["ROWS"] // heads), dims["batch"],
                       triton.cdiv(n_heads, heads))](
-        x, y, freqs, trig, scale, dims["seqlen"], n_heads, dims["half"], dims["n_pass"], *_strides(x, x_format),
-        *_strides(y, y_format), freqs.stride(0), freqs.stride(-1), BLOCK_S=PASS_CONFIG["ROWS"] // heads, HEADS=heads,
+        x, y, freqs, trig, scale, dims["seqlen"], n_heads, dims["half"], dims["n_pass"], *_strides(x_format, x),
+        *_strides(y_format, y), freqs.stride(0), freqs.stride(-1), BLOCK_S=PASS_CONFIG["ROWS"] // heads, HEADS=heads,
         HALF=dims["HALF"], PASS=dims["PASS"], INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0,
-        TO_ROTATED=to_rotated, PDL=PDL, num_warps=PASS_CONFIG["num_warps"], launch_pdl=PDL)
+        TO_ROTATED=to_rotated, PDL=pdl, num_warps=PASS_CONFIG["num_warps"], launch_pdl=pdl)
 
 
 def _forward_outputs(q, k, freqs, tensor_format, save_rotated):
@@ -609,64 +609,57 @@ def _forward_outputs(q, k, freqs, tensor_format, save_rotated):
 
 
 def _forward(q, k, v, freqs, key_mask, sm_scale, causal, interleaved, tensor_format, save_rotated):
-    dims = _dims(q, k, freqs.shape[3], tensor_format)
+    dims, pdl = _dims(q, k, freqs.shape[3], tensor_format), _pdl(q.device)
+    s, h = dims["seqlen"], dims["n_heads"]
     o, lse, rq, rk, trig = _forward_outputs(q, k, freqs, tensor_format, save_rotated)
-    _rope_pass(k, rk, freqs, trig, 1.0, dims, interleaved, tensor_format, to_rotated=True)
-    cfg = _config("fwd", dims["head_dim"], dims["seqlen"], causal)
-    rope_attn_fwd_kernel[(triton.cdiv(dims["seqlen"], cfg["BLOCK_M"]), dims["batch"] * dims["n_heads"])](
-        q, rk, v, o, lse, rq, trig, key_mask if key_mask is not None else lse, sm_scale * LOG2E, dims["seqlen"],
-        dims["n_heads"], dims["n_heads"] // dims["n_kv_heads"], dims["half"], dims["n_pass"],
-        *(st for x in (q, v, o) for st in _strides(x, tensor_format)), HALF=dims["HALF"], PASS=dims["PASS"],
-        D=dims["D"], W=dims["W"], INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0, CAUSAL=causal,
-        HAS_MASK=key_mask is not None, EVEN_N=dims["seqlen"] % cfg["BLOCK_N"] == 0, EVEN_D=dims["D"] == dims["head_dim"],
-        SAVE_RQ=save_rotated, WIDE=_wide(dims, tensor_format, q, v, o), PDL=PDL, launch_pdl=PDL, **cfg)
+    _rope_pass(k, rk, freqs, trig, 1.0, dims, interleaved, tensor_format, True, pdl)
+    cfg = _config("fwd", dims["head_dim"], s, causal)
+    rope_attn_fwd_kernel[(triton.cdiv(s, cfg["BLOCK_M"]), dims["batch"] * h)](
+        q, rk, v, o, lse, rq, trig, key_mask if key_mask is not None else lse, sm_scale * LOG2E, s, h,
+        h // dims["n_kv_heads"], dims["half"], dims["n_pass"], *_strides(tensor_format, q, v, o),
+        EVEN_N=s % cfg["BLOCK_N"] == 0, SAVE_RQ=save_rotated, PDL=pdl, launch_pdl=pdl, **cfg,
+        **_constexprs(dims, causal, interleaved, key_mask, tensor_format, q, v, o))
     return o, lse, rq, rk, trig
 
 
 def _backward(do, rq, rk, v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, tensor_format, dq, dk, dv):
     """Write the gradients into dq, dk and dv (any strides: views of one tensor work)."""
-    dims = _dims(dq, dk, rot_dim, tensor_format)
-    b, s, h, h_kv, w, D = (dims[key] for key in ("batch", "seqlen", "n_heads", "n_kv_heads", "W", "D"))
-    strides = lambda *xs: [st for x in xs for st in _strides(x, tensor_format)]  # noqa: E731
-    common = dict(HALF=dims["HALF"], PASS=dims["PASS"], D=D, W=w, INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0,
-                  CAUSAL=causal, HAS_MASK=key_mask is not None, EVEN_D=D == dims["head_dim"],
-                  WIDE=_wide(dims, tensor_format, v, do, dq, dk, dv))
-    scalars = (sm_scale * LOG2E, s, h, h // h_kv, dims["half"], dims["n_pass"])
+    dims, pdl = _dims(dq, dk, rot_dim, tensor_format), _pdl(do.device)
+    b, s, h, w = dims["batch"], dims["seqlen"], dims["n_heads"], dims["W"]
+    common = _constexprs(dims, causal, interleaved, key_mask, tensor_format, v, do, dq, dk, dv)
+    scalars = (sm_scale * LOG2E, s, h, h // dims["n_kv_heads"], dims["half"], dims["n_pass"])
     key_mask = key_mask if key_mask is not None else lse  # (unused without HAS_MASK)
     atomic_dq = not torch.are_deterministic_algorithms_enabled()  # else the dq kernel: a fixed order of sums
-    dq_acc = torch.empty(b, h, s, w, device=dq.device, dtype=torch.float32) if atomic_dq else lse
+    dq_sum = torch.empty(b, h, s, w, device=dq.device, dtype=torch.float32) if atomic_dq else lse
     delta = torch.empty_like(lse)
     rope_attn_bwd_delta_kernel[(triton.cdiv(s, 64), b * h)](
-        o, do, delta, dq_acc, s, h, dims["head_dim"], *strides(o, do), BLOCK_M=64, D=D, W=w, W_TILE=_pow2(w, 16),
-        ZERO_DQ=atomic_dq, PDL=PDL, launch_pdl=PDL)
+        o, do, delta, dq_sum, s, h, dims["head_dim"], *_strides(tensor_format, o, do), BLOCK_M=64, D=dims["D"], W=w,
+        W_TILE=_pow2(w, 16), ZERO_DQ=atomic_dq, PDL=pdl, launch_pdl=pdl)
     cfg = _config("dkdv", dims["head_dim"])
-    rope_attn_bwd_dkdv_kernel[(triton.cdiv(s, cfg["BLOCK_N"]), b * h_kv)](
-        rq, rk, v, do, dk, dv, dq_acc, lse, delta, trig, key_mask, *scalars, *strides(v, do, dk, dv),
-        EVEN_M=s % cfg["BLOCK_M"] == 0, EVEN_N=s % cfg["BLOCK_N"] == 0, ATOMIC_DQ=atomic_dq, PDL=PDL,
-        launch_pdl=PDL, **common, **cfg)
+    rope_attn_bwd_dkdv_kernel[(triton.cdiv(s, cfg["BLOCK_N"]), b * dims["n_kv_heads"])](
+        rq, rk, v, do, dk, dv, dq_sum, lse, delta, trig, key_mask, *scalars, *_strides(tensor_format, v, do, dk, dv),
+        EVEN_M=s % cfg["BLOCK_M"] == 0, EVEN_N=s % cfg["BLOCK_N"] == 0, ATOMIC_DQ=atomic_dq, PDL=pdl,
+        launch_pdl=pdl, **common, **cfg)
     if atomic_dq:
-        _rope_pass(dq_acc, dq, trig, trig, sm_scale, dims, interleaved, tensor_format, to_rotated=False)
+        _rope_pass(dq_sum, dq, trig, trig, sm_scale, dims, interleaved, tensor_format, False, pdl)
         return
     cfg = _config("dq", dims["head_dim"])
     rope_attn_bwd_dq_kernel[(triton.cdiv(s, cfg["BLOCK_M"]), b * h)](
-        rq, rk, v, do, dq, lse, delta, trig, key_mask, *scalars, *strides(v, do, dq), EVEN_N=s % cfg["BLOCK_N"] == 0,
-        **common, **cfg)
-
+        rq, rk, v, do, dq, lse, delta, trig, key_mask, *scalars, *_strides(tensor_format, v, do, dq),
+        EVEN_N=s % cfg["BLOCK_N"] == 0, **common, **cfg)
 
 # %%
 # The operators
 # -------------
-# torch.compile cannot trace into a Triton launch that it does not know. Registered as a
-# torch.library.custom_op, the launch becomes one opaque node of the graph: register_fake gives
-# the compiler the outputs' shapes without running anything, and register_autograd the backward,
-# itself another custom op. Inductor compiles the code around them and calls our kernels as they
-# are. Outside the ops everything is traced, so the argument checks look only at shapes, dtypes
-# and devices, never at values (a value check would need a host sync that breaks the graph).
-#
+# torch.compile cannot trace into a Triton launch it does not know. Registered as a
+# torch.library.custom_op, the launch is one opaque node of the graph: register_fake gives the
+# compiler the outputs' shapes without running anything, register_autograd the backward (another
+# custom op). Inductor compiles the code around them and calls our kernels as they are. Outside
+# the ops everything is traced, so the argument checks read shapes, dtypes and devices, never
+# values (a value would need a host sync, which breaks the graph).
 # The forward op takes [q, k, v], or [qkv] packed as [.., 3, h, d], as one QKV projection makes
-# them. For the packed form the backward op returns one gradient of qkv's shape, into whose three
-# slices the kernels write dq, dk and dv; given three views instead, autograd would stack three
-# gradients into qkv's, a copy of all of them.
+# them; for the packed form the backward op returns one gradient of qkv's shape, into whose three
+# slices the kernels write (three gradients would be stacked by autograd: a copy of them all).
 
 Tensor = torch.Tensor
 
@@ -853,19 +846,17 @@ def self_check():
     def assert_matches_reference(out, reference, inputs):
         ref, dout = reference(), torch.randn_like(out)
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-        for name, g, r in zip(("dq", "dk", "dv") if len(inputs) == 3 else ("dqkv",),
-                              torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout.float())):
-            torch.testing.assert_close(g.float(), r.float(), atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+        for g, r in zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout.float())):
+            torch.testing.assert_close(g.float(), r.float(), atol=2e-2, rtol=2e-2)
 
     compiled = torch.compile(rope_attention, fullgraph=True, backend="inductor" if DEVICE.type == "cuda" else "aot_eager")
-    for causal in (False, True):
-        for interleaved in (False, True):
-            q = torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True)
-            k, v = (torch.randn(b, s, h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
-            kwargs = dict(causal=causal, attention_mask=mask, interleaved=interleaved)
+    for causal, interleaved in ((False, False), (False, True), (True, False), (True, True)):
+        q = torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(b, s, h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
+        kwargs = dict(causal=causal, attention_mask=mask, interleaved=interleaved)
+        for fn in (rope_attention, compiled):
             reference = lambda: attention_reference(q, k, v, freqs, **kwargs)  # noqa: E731
-            assert_matches_reference(rope_attention(q, k, v, freqs, **kwargs), reference, (q, k, v))
-            assert_matches_reference(compiled(q, k, v, freqs, **kwargs), reference, (q, k, v))
+            assert_matches_reference(fn(q, k, v, freqs, **kwargs), reference, (q, k, v))
     qkv = torch.randn(b, s, 3, h, d, device=DEVICE, dtype=dtype, requires_grad=True)
     assert_matches_reference(rope_attention_qkvpacked(qkv, freqs, attention_mask=mask),
                              lambda: attention_reference(*qkv.unbind(2), freqs, attention_mask=mask), (qkv,))
@@ -878,13 +869,12 @@ def self_check():
 # Benchmark
 # ---------
 # bf16, against the unfused paths: 03's RoPE (apply_rotary_pos_emb_qk) on q and k, then
-# scaled_dot_product_attention (cuDNN, flash) or FlexAttention compiled for each shape; and
-# torch.compile of a plain PyTorch RoPE followed by FlexAttention, the whole compiled as one graph.
-# Ours runs eager and under torch.compile(fullgraph=True). TF/s count 4*b*h*s^2*d FLOPs (halved
-# when causal; x3.5 for forward + backward). GPU time from a CUDA graph when the call can be
-# captured, else from do_bench; the table says which. The yardstick, timed the same way in the
-# same run, is a bf16 8192^3 matmul: attention is matmuls, so that is its ceiling on this GPU.
-
+# scaled_dot_product_attention (cuDNN, flash) or FlexAttention compiled for each shape; and a
+# plain PyTorch RoPE followed by FlexAttention, compiled as one graph. Ours runs eager and under
+# torch.compile(fullgraph=True). TF/s count 4*b*h*s^2*d FLOPs (halved when causal; x3.5 for
+# forward + backward). GPU time from a CUDA graph when the call can be captured, else from
+# do_bench; the table says which. The yardstick, timed the same way in the same run, is a bf16
+# 8192^3 matmul: attention is matmuls, so that is its ceiling on this GPU.
 BENCH_SHAPES = [  # (b, h, s, d, causal, padding mask)
     (16, 12, 512, 64, False, False), (16, 12, 512, 64, False, True), (8, 16, 2048, 64, False, False),
     (4, 32, 4096, 128, False, False), (4, 32, 4096, 128, True, False), (2, 16, 8192, 64, True, False)]
@@ -910,18 +900,15 @@ def _time_ms(fn):
 
 
 def _providers(freqs, causal, mask, rope03, b, s, dtype):
-    """name -> (q, k, v) -> output in bshd."""
-    def fused(q, k, v):
-        return rope_attention(q, k, v, freqs, causal=causal, attention_mask=mask)
-    # dynamic=False: kernels specialized to each shape, as a model of fixed shapes gets; the reset keeps
-    # the shapes already compiled from counting towards the recompile limit
+    """name -> (q, k, v) -> output in bshd. dynamic=False: kernels specialized to each shape, as a model
+    of fixed shapes gets; the reset keeps earlier shapes from counting towards the recompile limit."""
     torch._dynamo.reset()
+    fused = lambda q, k, v: rope_attention(q, k, v, freqs, causal=causal, attention_mask=mask)  # noqa: E731
     fns = {"fused (ours)": fused, "fused (ours), compiled": torch.compile(fused, fullgraph=True, dynamic=False)}
     if rope03 is None:
         return fns
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    sdpa_mask = mask.bool()[:, None, None, :] if mask is not None else None
 
     def rope_then(q, k):
         q, k = rope03.apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="bshd")
@@ -930,13 +917,13 @@ def _providers(freqs, causal, mask, rope03, b, s, dtype):
         def run(q, k, v, backend=backend):
             with sdpa_kernel(backend):
                 return torch.nn.functional.scaled_dot_product_attention(
-                    *rope_then(q, k), v.transpose(1, 2), attn_mask=sdpa_mask,
-                    is_causal=causal and sdpa_mask is None).transpose(1, 2)
+                    *rope_then(q, k), v.transpose(1, 2), is_causal=causal and mask is None,
+                    attn_mask=mask[:, None, None, :] if mask is not None else None).transpose(1, 2)
         fns["03 RoPE + SDPA " + name] = run
 
     def mask_mod(b_, h_, q_idx, kv_idx):
         ok = (q_idx >= kv_idx) if causal else (q_idx >= 0)
-        return ok & mask.bool()[b_, kv_idx] if mask is not None else ok
+        return ok & mask[b_, kv_idx] if mask is not None else ok
     block_mask = create_block_mask(mask_mod, b if mask is not None else None, None, s, s, device=DEVICE)
     flex = torch.compile(flex_attention, dynamic=False)
     fns["03 RoPE + FlexAttention"] = lambda q, k, v: flex(*rope_then(q, k), v.transpose(1, 2),
@@ -953,71 +940,45 @@ def _providers(freqs, causal, mask, rope03, b, s, dtype):
     return fns
 
 
-def measure(b, h, s, d, causal, padded, rope03, yardstick):
-    """Forward and forward + backward of every provider at one shape: the table's rows, printed as they come."""
-    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
-    q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
-    freqs, mask = rope_freqs(s, d, device=DEVICE), None
-    if padded:  # Hugging Face style: each sequence is padded after a random length
-        mask = torch.arange(s, device=DEVICE)[None, :] < torch.randint(s // 2, s + 1, (b, 1), device=DEVICE)
-    flops, dout, rows = 4 * b * h * s * s * d * (0.5 if causal else 1.0), torch.randn_like(q), []
-    for name, fn in _providers(freqs, causal, mask, rope03, b, s, dtype).items():
-        try:
-            torch.autograd.grad(fn(q, k, v), (q, k, v), dout)  # compiles, where it does
-        except Exception as e:  # noqa: BLE001  (a backend that does not take this shape)
-            print(f"| {(b, h, s, d)} | {causal} | {padded} | {name} | n/a ({type(e).__name__}) |")
-            continue
-        (fwd_ms, fwd_how), (both_ms, both_how) = (_time_ms(lambda: fn(q, k, v)), _time_ms(
-            lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout)))
-        peak_mb = float("nan")
-        if DEVICE.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
-            peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
-        fwd_tflops, both_tflops = flops / fwd_ms / 1e9, 3.5 * flops / both_ms / 1e9
-        of_matmul = f"{fwd_tflops / yardstick:.0%} / {both_tflops / yardstick:.0%}" if yardstick else "n/a"
-        rows.append(dict(case=((b, h, s, d), causal, padded), provider=name, fwd_tflops=fwd_tflops,
-                         both_tflops=both_tflops, text=f"| {(b, h, s, d)} | {causal} | {padded} | {name} | "
-                         f"{fwd_tflops:.0f} ({fwd_ms * 1e3:.0f} us) | {both_tflops:.0f} ({both_ms * 1e3:.0f} us) | "
-                         f"{of_matmul} | {peak_mb:.0f} MiB | {fwd_how if fwd_how == both_how else fwd_how + '/' + both_how} |"))
-        print(rows[-1]["text"], flush=True)
+def benchmark(rope03, yardstick):
+    """Forward and forward + backward of every provider at every shape: the table's rows, printed as
+    they come. rope03: 03's module (None: ours alone); yardstick: the matmul's TF/s (None on the CPU)."""
+    dtype, rows = (torch.bfloat16 if DEVICE.type == "cuda" else torch.float16), []
+    for b, h, s, d, causal, padded in BENCH_SHAPES if DEVICE.type == "cuda" else CPU_SHAPES:
+        q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
+        freqs, mask, dout = rope_freqs(s, d, device=DEVICE), None, torch.randn(b, s, h, d, device=DEVICE, dtype=dtype)
+        if padded:  # Hugging Face style: each sequence is padded after a random length
+            mask = torch.arange(s, device=DEVICE)[None, :] < torch.randint(s // 2, s + 1, (b, 1), device=DEVICE)
+        flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+        for name, fn in _providers(freqs, causal, mask, rope03, b, s, dtype).items():
+            both = lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout)  # noqa: E731
+            try:
+                both()  # compiles, where it does
+            except Exception as e:  # noqa: BLE001  (a backend that does not take this shape)
+                print(f"| {(b, h, s, d)} | {causal} | {padded} | {name} | n/a ({type(e).__name__}) |")
+                continue
+            (fwd_ms, fwd_how), (both_ms, both_how) = _time_ms(lambda: fn(q, k, v)), _time_ms(both)
+            peak_mb = float("nan")
+            if DEVICE.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                both()
+                peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
+            tflops = (flops / fwd_ms / 1e9, 3.5 * flops / both_ms / 1e9)
+            rows.append(dict(case=((b, h, s, d), causal, padded), provider=name, tflops=tflops, text=(
+                f"| {(b, h, s, d)} | {causal} | {padded} | {name} | {tflops[0]:.0f} ({fwd_ms * 1e3:.0f} us) | "
+                f"{tflops[1]:.0f} ({both_ms * 1e3:.0f} us) | "
+                + (f"{tflops[0] / yardstick:.0%} / {tflops[1] / yardstick:.0%}" if yardstick else "n/a")
+                + f" | {peak_mb:.0f} MiB | {fwd_how if fwd_how == both_how else fwd_how + '/' + both_how} |")))
+            print(rows[-1]["text"], flush=True)
     return rows
 
 
-def benchmark():
-    """(rows at BENCH_SHAPES, the yardstick: TF/s of a bf16 8192^3 matmul on this GPU, None on the CPU)."""
-    if DEVICE.type != "cuda":
-        print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
-              "show that the benchmark runs; they say nothing about speed.\n" + TABLE_HEADER)
-        return [r for shape in CPU_SHAPES for r in measure(*shape, None, None)], None
-    a, b = (torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
-    yardstick = 2 * 8192**3 / _time_ms(lambda: a @ b)[0] / 1e9
-    print(f"yardstick: a bf16 8192^3 matmul runs at {yardstick:.0f} TF/s on this GPU\n" + TABLE_HEADER)
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "03_rope_bwd.py")
-    rope03 = None  # 03's RoPE, the unfused paths' first step: loaded from beside this file, when it is there
-    if os.path.exists(path):
-        spec = importlib.util.spec_from_file_location("rope_bwd", path)
-        rope03 = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(rope03)
-    return [r for shape in BENCH_SHAPES for r in measure(*shape, rope03, yardstick)], yardstick
-
-
-def save_results(rows, yardstick, results_dir, command):
-    """results/04_rope_attention_<gpu>.md (the table) and .png (the plot)."""
-    gpu = next((w for w in torch.cuda.get_device_name().split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
-    stem = os.path.join(results_dir, f"04_rope_attention_{gpu}")
-    with open(__file__, "rb") as f:  # names the code measured (a copy's git history may be stale)
-        md5 = hashlib.md5(f.read()).hexdigest()
-    os.makedirs(results_dir, exist_ok=True)
+def save_results(rows, header, stem):
+    """stem.md (the run's header and the table) and stem.png (the plot, if matplotlib is installed)."""
     with open(stem + ".md", "w") as f:
-        f.write(f"# RoPE + attention on the {gpu}: fused against RoPE then attention\n\n{environment()}; "
-                f"04_rope_attention.py md5 {md5}\n\nCommand: `{command}`. Raw log: `{os.path.basename(stem)}.log`."
-                f"\n\nThe yardstick: a bf16 8192^3 matmul ran at {yardstick:.0f} TF/s in this run, timed the same "
-                "way.\n\nbf16. TF/s count 4*b*h*s^2*d FLOPs, halved when causal, x3.5 for forward + backward. "
-                "'graph': GPU time replayed from a CUDA graph (median of three do_bench_cudagraph(rep=40) medians); "
-                "'stream': do_bench. Peak extra memory: what one forward + backward allocated above the inputs."
-                "\n\n" + "\n".join([TABLE_HEADER] + [r["text"] for r in rows]) + "\n")
+        f.write(f"# RoPE + attention: fused against RoPE then attention\n\n{header}\n\n"
+                + "\n".join([TABLE_HEADER] + [r["text"] for r in rows]) + "\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -1028,22 +989,16 @@ def save_results(rows, yardstick, results_dir, command):
     cases, providers = (list(dict.fromkeys(r[key] for r in rows)) for key in ("case", "provider"))
     fig, axes = plt.subplots(1, 2, figsize=(15, 4.8))
     width = 0.8 / len(providers)
-    for ax, key, title in zip(axes, ("fwd_tflops", "both_tflops"), ("forward", "forward + backward")):
+    for i, (ax, title) in enumerate(zip(axes, ("forward", "forward + backward"))):
         for n, provider in enumerate(providers):
-            vals = {r["case"]: r[key] for r in rows if r["provider"] == provider}
-            ax.bar([i + n * width for i in range(len(cases))], [vals.get(c, 0) for c in cases], width, label=provider)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+            vals = {r["case"]: r["tflops"][i] for r in rows if r["provider"] == provider}
+            ax.bar([x + n * width for x in range(len(cases))], [vals.get(c, 0) for c in cases], width, label=provider)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cases))])
         ax.set_xticklabels([f"{s}\n{'causal' if c else ''}{' mask' if p else ''}" for s, c, p in cases], fontsize=7)
-        ax.set(ylabel="TF/s", title=f"RoPE + attention, {title} ({gpu}, bf16)")
+        ax.set(ylabel="TF/s", title=f"RoPE + attention, {title} (bf16)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(stem + ".png", dpi=120)
-
-
-def environment():
-    gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "none (Triton interpreter)"
-    return (f"device: {gpu}; date: {datetime.date.today()}; torch {torch.__version__}; triton {triton.__version__}; "
-            f"python {platform.python_version()}")
 
 
 if __name__ == "__main__":
@@ -1051,8 +1006,30 @@ if __name__ == "__main__":
     parser.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                         help="folder for the table and plot (written only on a GPU)")
     args = parser.parse_args()
-    print(environment())
+    with open(__file__, "rb") as f:  # names the code measured (a copy's git history may be stale)
+        md5 = hashlib.md5(f.read()).hexdigest()
+    gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "none (Triton interpreter)"
+    header = (f"device: {gpu}; date: {datetime.date.today()}; torch {torch.__version__}; triton {triton.__version__}; "
+              f"04_rope_attention.py md5 {md5}; command: `python {' '.join(sys.argv)}`")
+    print(header)
     self_check()
-    rows, yardstick = benchmark()
+    rope03, yardstick = None, None
     if DEVICE.type == "cuda":
-        save_results(rows, yardstick, args.results, "python " + " ".join(sys.argv))
+        a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+        yardstick = 2 * 8192**3 / _time_ms(lambda: a @ a)[0] / 1e9
+        header += f"\n\nyardstick: a bf16 8192^3 matmul runs at {yardstick:.0f} TF/s on this GPU, timed the same way"
+        print(header.split("\n")[-1])
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "03_rope_bwd.py")
+        if os.path.exists(path):  # 03's RoPE, the unfused paths' first step, loaded from beside this file
+            spec = importlib.util.spec_from_file_location("rope_bwd", path)
+            rope03 = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(rope03)
+    else:
+        print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only show that the "
+              "benchmark runs; they say nothing about speed.")
+    print(TABLE_HEADER)
+    rows = benchmark(rope03, yardstick)
+    if DEVICE.type == "cuda":
+        kind = next((w for w in gpu.split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
+        os.makedirs(args.results, exist_ok=True)
+        save_results(rows, header, os.path.join(args.results, f"04_rope_attention_{kind}"))
