@@ -135,11 +135,13 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # One program per block of keys loops over the query tiles: it recomputes P^T = exp(S^T - lse) and
 # dP^T = V dO^T, accumulates dV += P^T dO and d(Rk) += dS^T Rq in registers, and adds dS Rk into a
 # float32 d(Rq) sum with atomics, as FlashAttention 2 does; the pass rotates the sum back. Atomics
-# add in no fixed order (dq's last bits vary between runs): under
-# torch.use_deterministic_algorithms(True) a second kernel loops the other way, over the keys of
-# each query block, recomputing P and dP (7 matmuls per tile pair instead of 5). One launch per
-# block of keys would also fix the order, but leaves too few programs per launch: 25-42% slower
-# forward + backward, 3x at (2, 16, 8192, 64) (results/04_rope_attention_ab.log).
+# add in no fixed order (dq's last bits vary between runs). The other route is a second kernel that
+# loops the other way, over the keys of each query block, recomputing P and dP (7 matmuls per tile
+# pair instead of 5) and summing in a fixed order: it runs under
+# torch.use_deterministic_algorithms(True), and by default where it measured faster, at d > 64
+# without a causal mask (the atomics' traffic grows with d; results/04_rope_attention_ab.log).
+# One launch per block of keys would also fix the atomics' order, but leaves too few programs per
+# launch: 25-42% slower forward + backward, 3x at (2, 16, 8192, 64).
 #
 # Programmatic dependent launch (Hopper on) lets a kernel's programs start while the one before it
 # drains its last wave; each waits (gdc_wait) before it reads what that kernel wrote, or writes
@@ -629,7 +631,8 @@ def _backward(do, rq, rk, v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, 
     common = _constexprs(dims, causal, interleaved, key_mask, tensor_format, v, do, dq, dk, dv)
     scalars = (sm_scale * LOG2E, s, h, h // dims["n_kv_heads"], dims["half"], dims["n_pass"])
     key_mask = key_mask if key_mask is not None else lse  # (unused without HAS_MASK)
-    atomic_dq = not torch.are_deterministic_algorithms_enabled()  # else the dq kernel: a fixed order of sums
+    # else the dq kernel, a fixed order of sums: deterministic, and faster at d > 64 without a causal mask
+    atomic_dq = not (torch.are_deterministic_algorithms_enabled() or (dims["head_dim"] > 64 and not causal))
     dq_sum = torch.empty(b, h, s, w, device=dq.device, dtype=torch.float32) if atomic_dq else lse
     delta = torch.empty_like(lse)
     rope_attn_bwd_delta_kernel[(triton.cdiv(s, 64), b * h)](
@@ -804,8 +807,8 @@ def rope_attention(q, k, v, freqs, *, causal=False, attention_mask=None, sm_scal
     attention_mask: bool or integer [b, s], 1 (nonzero) = a real token, 0 = padding (Hugging Face's
         convention); padded keys are never attended to. A query that sees no key returns zeros.
     sm_scale: softmax scale, positive, 1/sqrt(d) by default. interleaved: rotate pairs (RoFormer, GPT-J).
-    Returns the output [like q], in q's layout and dtype. dq is summed with float32 atomics (its
-    last bits can vary between runs) unless torch.use_deterministic_algorithms(True) is on.
+    Returns the output [like q], in q's layout and dtype. At d <= 64 or causal, dq is summed with float32
+    atomics (its last bits can vary between runs) unless torch.use_deterministic_algorithms(True) is on.
     """
     return _attention([q, k, v], q, k, v, freqs, causal, attention_mask, sm_scale, interleaved, tensor_format)
 

@@ -154,6 +154,22 @@ def test_deterministic_backward(causal, masked, d, d2, interleaved):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("d, d2", [(128, 128), (96, 64)])
+def test_dq_by_the_second_kernel_at_large_head_dims(d, d2):
+    """At d > 64 without a causal mask dq comes from the fixed-order kernel by default (faster there than
+    the atomics): right against the reference with a padding mask, and the same bits on every call (on the
+    GPU, where the atomics would add in no fixed order)."""
+    torch.manual_seed(d + d2)
+    s = 257 if ON_GPU else 40
+    _, q, k, v = make(2, s, 4, 2, d)
+    freqs = torch.randn(s, 1, 1, d2, device=DEVICE)
+    kwargs = dict(attention_mask=padding_mask(2, s))
+    dout = torch.randn_like(check(q, k, v, freqs, **kwargs))
+    first, second = (torch.autograd.grad(attn.rope_attention(q, k, v, freqs, **kwargs), (q, k, v), dout)
+                     for _ in range(2))
+    assert all(a.equal(b) for a, b in zip(first, second))
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_int64_offsets(monkeypatch, deterministic):
     """Row offsets within one head are int32 in the kernels unless one could reach 2^31 elements
