@@ -9,7 +9,7 @@ In this tutorial, you will learn about:
 * a rotated layout (the halves of each pair side by side, zero-padded) in which every loop loads
   one whole tile per step and computes QK^T as one dot;
 * the backward in the rotated basis, rotated back once as dk and dq are stored (exact: RoPE is
-  linear and acts on each row alone); dq by float32 atomics, or deterministic by a second kernel;
+  linear and acts on each row alone); dq by float32 atomics or by a second, fixed-order kernel;
 * online softmax with key-padding and causal masks, grouped-query attention, odd lengths, head
   dims that are not powers of two, partial rotary, both pairings, packed qkv;
 * programmatic dependent launch (Hopper), and opaque ``torch.library.custom_op``s that
@@ -138,8 +138,8 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # add in no fixed order (dq's last bits vary between runs). The other route is a second kernel that
 # loops the other way, over the keys of each query block, recomputing P and dP (7 matmuls per tile
 # pair instead of 5) and summing in a fixed order: it runs under
-# torch.use_deterministic_algorithms(True), and by default where it measured faster, at d > 64
-# without a causal mask (the atomics' traffic grows with d; results/04_rope_attention_ab.log).
+# torch.use_deterministic_algorithms(True), and by default where it measured 2-10% faster forward +
+# backward, at d > 64 without a causal mask (results/04_rope_attention_ab.log).
 # One launch per block of keys would also fix the atomics' order, but leaves too few programs per
 # launch: 25-42% slower forward + backward, 3x at (2, 16, 8192, 64).
 #
@@ -522,7 +522,7 @@ def rope_attn_bwd_dq_kernel(
 # Tile configs (BLOCK_M, BLOCK_N, warps, stages) per kernel and shape class, from a per-shape sweep
 # on an H100 (results/04_rope_attention_sweep.log): at d = 64 short sequences want small query
 # blocks (more programs to fill the GPU), longer ones 128 x 128; at d = 128 causality favours the
-# smaller tiles. "dq" is the deterministic route. The interpreter runs 32 x 32 tiles.
+# smaller tiles. "dq" is the fixed-order route for dq. The interpreter runs 32 x 32 tiles.
 CONFIGS = {
     ("fwd", "d<=64, s<=1024"): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
     ("fwd", "d<=64, s>1024"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3),
