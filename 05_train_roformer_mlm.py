@@ -20,9 +20,9 @@ In this tutorial, you will learn about:
 * ``--compile`` (on with a GPU): the whole model under ``torch.compile``, the nanoGPT way, with
   03's and 04's kernels opaque to Inductor; what it fuses and what it cannot, measured by kernel
   family (``--bench --bench-profile``), against Hugging Face's model compiled;
-* why a small model trains at the pace of Python rather than the GPU, and ``--cuda-graphs``: each
-  encoder layer's forward and backward replayed from CUDA graphs (and the trap such layers set for
-  gradient accumulation), for runs without ``--compile``.
+* why a model trains at the pace of Python rather than the GPU, and ``--cuda-graphs`` (on with a
+  GPU): the encoder's forward and backward, compiled, replayed from two CUDA graphs (and the trap
+  such graphs set for gradient accumulation).
 
 Run ``python 05_train_roformer_mlm.py`` (a small model on the Python standard library's own source,
 no download), ``--help`` for the options. It loads 01-04 from beside this file.
@@ -163,42 +163,43 @@ class RoFormerLayer(nn.Module):
         self.intermediate = nn.Module()
         self.intermediate.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.output = AddNorm(cfg.intermediate_size, cfg)
-        self.graphed = None  # (replay, input shape and dtype) once capture_cuda_graphs has run
 
     def forward(self, x, freqs, mask):
-        if self.graphed is not None and mask is None and self.training and torch.is_grad_enabled():
-            replay, shape, dtype = self.graphed
-            if x.shape == shape and x.dtype == dtype:
-                return replay(x)
         x = self.attention.output(self.attention.self(x, freqs, mask), x)
         return self.output(F.gelu(self.intermediate.dense(x)), x)
 
 
-class _Unmasked(nn.Module):
-    """What one layer's CUDA graphs capture: its forward on a batch without padding (no mask)."""
+class _Encoder(nn.Module):
+    """What the CUDA graphs capture: every encoder layer, on a batch without padding (no mask)."""
 
-    def __init__(self, layer, freqs):
+    def __init__(self, layers, freqs):
         super().__init__()
-        self.layer, self.freqs = layer, freqs
+        self.layers, self.freqs = layers, freqs
 
     def forward(self, x):
-        return self.layer(x, self.freqs, None)
+        for layer in self.layers:
+            x = layer(x, self.freqs, None)
+        return x
 
 
-def capture_cuda_graphs(model, batch_size, seq_len):
-    """--cuda-graphs: capture each encoder layer's forward and backward as CUDA graphs
-    (torch.cuda.make_graphed_callables; Megatron-LM graphs per layer the same way). Eager PyTorch
-    costs the host tens of microseconds an op: the default run's small model waits for the host,
-    and at the BERT-base shape the host needs nearly as long to issue a step as the GPU to run it,
-    so that on two GPUs host jitter on either rank stalls both. A replay issues a layer's kernels
-    in one call (--bench --cuda-graphs times the paths with and without). Graphs keep the shapes
-    they were captured with: batches with padding, evaluation and other shapes run the layers
-    eagerly, on the same weights.
+@torch._dynamo.disable
+def _replay(replay, x):
+    """The encoder's CUDA graphs, replayed as they are: torch.compile of the whole model stops here and
+    goes on after (the head, whose shapes change with the number of masked tokens, stays compiled)."""
+    return replay(x)
+
+
+def capture_cuda_graphs(model, batch_size, seq_len, compiled=False):
+    """--cuda-graphs: capture the encoder's forward and its backward as two CUDA graphs
+    (torch.cuda.make_graphed_callables), compiled by Inductor first with --compile. Every eager op
+    costs the host microseconds, and every call of 03's and 04's kernels more (argument checks,
+    Triton's launcher): a small model waits for the host, and a replay issues the encoder's hundreds
+    of kernels in one call. Graphs keep the shapes they were captured with: batches with padding,
+    evaluation and other shapes run the layers as usual, on the same weights.
     (Whether dq is summed with atomics is fixed at capture, by torch.use_deterministic_algorithms.)"""
-    layers = model.roformer.encoder.layer
     shape, dtype = (batch_size, seq_len, model.cfg.hidden_size), torch.float32  # a LayerNorm's output under autocast
     rng = torch.cuda.get_rng_state()
-    samples = tuple((torch.zeros(shape, device=model.freqs.device, dtype=dtype, requires_grad=True),) for _ in layers)
+    sample = torch.zeros(shape, device=model.freqs.device, dtype=dtype, requires_grad=True)
     # The warm-up passes run on a side stream and make the parameters' AccumulateGrad nodes there; recent PyTorch
     # then warns once a process that their stream is not the replays' (older versions have no such warning or
     # switch). The gradients are the eager ones (tested).
@@ -210,14 +211,14 @@ def capture_cuda_graphs(model, batch_size, seq_len):
     gc.collect()
     gc.disable()
     try:
+        layers = model.roformer.encoder.layer
+        encoder = _Encoder(nn.ModuleList(torch.compile(layer) for layer in layers) if compiled else layers, model.freqs)
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):  # graphs need autocast's cache off
-            replays = torch.cuda.make_graphed_callables(tuple(_Unmasked(layer, model.freqs) for layer in layers),
-                                                        samples)
+            replay = torch.cuda.make_graphed_callables(encoder, (sample,))
     finally:
         gc.enable()
     torch.cuda.set_rng_state(rng)  # the warm-up passes drew dropout masks; a resumed run must not depend on that
-    for layer, replay in zip(layers, replays):
-        layer.graphed = (replay, shape, dtype)  # a tuple: not registered as a submodule, the state dict is unchanged
+    model.graphed = (replay, shape, dtype)  # a tuple: not registered as a submodule, the state dict is unchanged
     # A replay hands out its weight gradients in the graph's own buffers, which the next replay overwrites. A
     # parameter without a .grad would adopt such a buffer as its .grad, and with gradient accumulation the
     # second micro-batch would overwrite the first's (tests/test_05 catches it). So every .grad starts
@@ -249,6 +250,7 @@ class RoFormerForMaskedLM(nn.Module):
         p.decoder = nn.Linear(emb, cfg.vocab_size)
         p.decoder.weight = e.word_embeddings.weight  # tied
         head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.graphed = None  # (replay, input shape, input dtype) once capture_cuda_graphs has run
         self.register_buffer("freqs", rope_bwd.rope_freqs(cfg.max_position_embeddings, head_dim, interleaved=True),
                              persistent=False)  # RoFormer's sinusoidal angles, base 10000, interleaved pairs
         self.apply(self._init_weights)
@@ -273,8 +275,13 @@ class RoFormerForMaskedLM(nn.Module):
         x = e.dropout(e.LayerNorm(x))
         if hasattr(self.roformer, "embeddings_project"):
             x = self.roformer.embeddings_project(x)
-        for layer in self.roformer.encoder.layer:
-            x = layer(x, self.freqs, attention_mask)
+        replay, shape, dtype = self.graphed or (None, None, None)
+        if replay is not None and attention_mask is None and self.training and torch.is_grad_enabled() and x.shape == shape \
+                and x.dtype == dtype:
+            x = _replay(replay, x)
+        else:
+            for layer in self.roformer.encoder.layer:
+                x = layer(x, self.freqs, attention_mask)
         if labels is not None:
             if positions is None:
                 positions = masked_positions(labels)
@@ -511,14 +518,14 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model as a whole (default: on with a GPU, off on the CPU)")
-    p.add_argument("--cuda-graphs", action="store_true", help="replay each encoder layer's forward and backward "
-                   "as CUDA graphs, so that Python's per-op cost no longer paces the GPU (GPU only; in place of "
-                   "--compile)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help="replay the "
+                   "encoder's forward and backward from CUDA graphs, so that the host's per-op cost no longer paces "
+                   "the GPU (default: on with a GPU, off under torchrun; needs a GPU)")
     p.add_argument("--bench", action="store_true", help="time training steps of a BERT-base-shaped model on random "
                    "tokens for every --attn path and Hugging Face's RoFormer (when installed), eager and compiled "
-                   "(and with --cuda-graphs, eager with graphs), then exit")
+                   "(and with --cuda-graphs, both with graphs), then exit")
     p.add_argument("--bench-paths", default=None, metavar="P,Q", help="--bench only these, e.g. fused,fused+compile "
-                   "(a path, then +compile or +graphs; hf is Hugging Face's model)")
+                   "(a path, then +compile, +graphs or +compile+graphs; hf is Hugging Face's model)")
     p.add_argument("--bench-profile", action="store_true", help="--bench: also profile one step of each path and "
                    "print its GPU time by kernel family (matmuls, our kernels, Inductor's fused kernels, the rest; "
                    "on the CPU, its ops' CPU time)")
@@ -538,9 +545,9 @@ def parse_args(argv=None):
     if args.cuda_graphs and not on_gpu:
         p.error("--cuda-graphs needs a GPU (CUDA graphs); this machine has none")
     if args.compile is None:
-        args.compile = on_gpu and not args.cuda_graphs
-    if args.compile and args.cuda_graphs and not args.bench:
-        p.error("--cuda-graphs replays eager layers and takes the place of --compile: add --no-compile")
+        args.compile = on_gpu
+    if args.cuda_graphs is None:  # under torchrun, off: DDP with the graphs is not measured here
+        args.cuda_graphs = on_gpu and "RANK" not in os.environ
     if args.data is not None and not os.path.exists(args.data):
         p.error(f"--data {args.data}: no such file or folder")
     if args.data is not None and os.path.isdir(args.data) and not any(
@@ -743,7 +750,11 @@ def train(args, ddp, rank, world, device):
         if device.type == "cuda":
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
     if args.cuda_graphs:  # after loading a checkpoint (the graphs read the weights in place), before DDP
-        capture_cuda_graphs(model, args.batch_size, args.seq_len)
+        start = time.perf_counter()
+        capture_cuda_graphs(model, args.batch_size, args.seq_len, compiled=args.compile)
+        if master:
+            print(f"CUDA graphs: the encoder captured in {time.perf_counter() - start:.1f} s"
+                  + (", its compilation included" if args.compile else ""), flush=True)
     raw_model = model  # saved, evaluated and checkpointed as it is: no DDP "module." or compiled "_orig_mod." prefix
     if ddp:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
@@ -759,7 +770,7 @@ def train(args, ddp, rank, world, device):
     if master:
         print(f"RoFormer MLM: {n_params / 1e6:.2f}M parameters, attn={args.attn}, {world} rank(s), device {device}, "
               f"seq_len {args.seq_len}, batch {args.batch_size} x {args.grad_accum} accumulation x {world}"
-              + (", encoder layers as CUDA graphs" if args.cuda_graphs else "")
+              + (", the encoder replayed from CUDA graphs" if args.cuda_graphs else "")
               + (", torch.compile" + (" (aot_eager on the CPU: traced, not code-generated)" if device.type == "cpu" else "")
                  if args.compile else ""))
         counts = torch.bincount(torch.cat([ids.flatten() for ids, _ in eval_batches]), minlength=tokenizer.vocab_size)
@@ -845,27 +856,23 @@ def compile_model(model, device):
     the graph is traced and run by aot_eager (Triton's interpreter runs the kernels there; generated
     code would gain nothing).
 
-    Under DDP, Dynamo would by default split the graph at the gradient buckets so that each
-    bucket's all-reduce overlaps the rest of the backward (optimize_ddp). Here that costs more than
-    it saves: on two H200s a fused step went from 28.0 ms on one GPU to 42-49 ms split at 25 MB
-    buckets and 31-36 ms at 100 MB, against 30.5-30.9 ms compiled whole, the gradients all-reduced
-    after the backward (1.81-1.86x one GPU; on another machine 31-38 ms, 1.47-1.70x, with rounds that
-    spread by 5 ms: results/05_train_roformer_mlm_H200.md). Where the split graphs lose their time
-    was not profiled; one all-reduce of 436 MB of float32 gradients over NVLink, not overlapped,
-    costs 1.5 ms.
+    What Inductor fuses here: everything between the matmuls and our kernels, the embeddings' sum,
+    LayerNorm, GELU, dropout, the residual adds, the bias gradients, the masked positions' gather
+    and the loss. It cannot touch 03's and 04's kernels (torch.library ops, called as they are) nor
+    the matmuls' insides. --bench --bench-profile shows a step's GPU time by kernel family, eager
+    and compiled (results/05_train_roformer_mlm_H100.md).
 
-    What Inductor does here (--bench --bench-profile, BERT-base shape, one H100; the numbers in
-    results/05_train_roformer_mlm_H100.md): it fuses what lies between the matmuls and our kernels, the
-    embeddings' sum, LayerNorm, GELU, dropout, the residual adds, the bias gradients, the masked
-    positions' gather and the loss: for the fused path 805 kernels and 19.2 ms of a step become 549
-    kernels and 11.2 ms, and the step goes from 39-47 ms to 29.9. It cannot touch 03's and 04's
-    kernels (torch.library ops, called as they are: 60 kernels, 5.3 ms in both) nor the matmuls'
-    insides (13.5 ms eager, 12.5 compiled). The first step pays the compilation: 20-30 s.
-    Compiled, the fused and triton paths are level (29.9 against 30.1 ms a step; 28.4 against 28.5
-    on an H200): 04's kernels take 0.4 ms more a step than SDPA and 03's RoPE (5.3 against 4.9),
-    and the fused path leaves Inductor 0.6 ms less to do (9.5 against 10.1: no gradients of q, k
-    and v to stack into qkv's). The layers' CUDA graphs (--cuda-graphs) have nothing left to win:
-    at this shape compiled steps take 29.9 ms against 39.5 for eager layers replayed from graphs."""
+    Which to use when: compilation shrinks the GPU's work, CUDA graphs the host's. Compiled alone, a
+    step still issues hundreds of kernels and every call of 03's and 04's ops from Python; the
+    default run's small model then waits for the host, and at the BERT-base shape a slow host adds
+    milliseconds to a step. So on a GPU both are on: the encoder is compiled, then captured
+    (capture_cuda_graphs), and the embeddings and the head, whose shapes change with the number of
+    masked tokens, run compiled around its replay. The results pages time every combination.
+
+    Under DDP, Dynamo would by default split the graph at the gradient buckets (optimize_ddp) so
+    that each bucket's all-reduce overlaps the rest of the backward. On two H200s that made steps
+    slower (1.24x and 1.60x one GPU, split at 25 and 100 MB buckets, against 1.81-1.84x compiled
+    whole: results/05_ddp_split.log), so here the gradients are all-reduced after the backward."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         torch._dynamo.config.optimize_ddp = False
     return torch.compile(model, backend="inductor" if device.type == "cuda" else "aot_eager")
@@ -927,9 +934,9 @@ def bench(args, ddp, rank, world, device):
         models.append("hf")
     except ImportError:
         print("(transformers is not installed: Hugging Face's RoFormerForMaskedLM is not benchmarked)")
-    # each model eager and compiled; with --cuda-graphs, ours also eager with each layer replayed from CUDA graphs
-    candidates = [m + mode for m in models for mode in ("", "+compile", "+graphs")
-                  if mode != "+graphs" or (args.cuda_graphs and m != "hf")]
+    # each model eager and compiled; with --cuda-graphs, ours also with the encoder replayed from CUDA graphs
+    candidates = [m + mode for m in models for mode in ("", "+compile", "+graphs", "+compile+graphs")
+                  if "+graphs" not in mode or (args.cuda_graphs and m != "hf")]
     if args.bench_paths:
         unknown = set(args.bench_paths.split(",")) - set(candidates)
         if unknown:
@@ -946,13 +953,13 @@ def bench(args, ddp, rank, world, device):
         else:
             model = RoFormerForMaskedLM(cfg, name).to(device)
             if candidate.endswith("+graphs"):
-                capture_cuda_graphs(model, batch, seq)
+                capture_cuda_graphs(model, batch, seq, compiled="+compile" in candidate)
             step_loss = lambda: stepped(ids, labels=labels, positions=positions)[0]  # noqa: E731
         stepped = model
         if ddp:
             stepped = nn.parallel.DistributedDataParallel(model, device_ids=[device] if on_gpu else None,
                                                           gradient_as_bucket_view=True)
-        if candidate.endswith("+compile"):
+        if "+compile" in candidate:
             stepped = compile_model(stepped, device)
         if name == "hf":
             step_loss = lambda: stepped(input_ids=ids, labels=labels).loss  # noqa: E731
@@ -988,10 +995,12 @@ def bench(args, ddp, rank, world, device):
     peak, first_step_s = {}, {}
     for round_ in range(args.bench_rounds):
         for name in candidates if round_ % 2 == 0 else candidates[::-1]:
+            if on_gpu:  # the peak counts the capture too: a replay allocates nothing, its graphs' pool holds all
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
             model, optimizer, train_step = build(name)
             with out_of_memory_advice(args):
-                start = time.perf_counter()
-                train_step()  # compiles, in the first round (later rounds find Inductor's cache)
+                train_step()  # compiles (captures), in the first round (later rounds find Inductor's cache)
                 if on_gpu:
                     torch.cuda.synchronize()
                 first_step_s.setdefault(name, time.perf_counter() - start)
@@ -999,7 +1008,6 @@ def bench(args, ddp, rank, world, device):
                     train_step()
                 if on_gpu:
                     torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
                 step_ms[name].append(timed_steps(train_step))
             peak[name] = max(peak.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30) if on_gpu else float("nan")
             if args.bench_profile and round_ == 0:  # every rank runs the step: DDP's collectives pair up
@@ -1008,7 +1016,7 @@ def bench(args, ddp, rank, world, device):
                     print(f"{name:>15}: one step's {'GPU' if on_gpu else 'CPU'} time by kernel family: " + ", ".join(
                         f"{family} {n} kernels {ms:.1f} ms" for family, (n, ms) in families.items()))
             del model, optimizer, train_step
-            gc.collect()  # graphed layers refer to themselves: only the collector frees them and their graphs
+            gc.collect()  # a graphed encoder refers to itself: only the collector frees it and its graphs
             if on_gpu:
                 torch.cuda.empty_cache()
     results = []
@@ -1024,7 +1032,7 @@ def bench(args, ddp, rank, world, device):
             rounds = " / ".join(f"{m:.1f}" for m in row["ms_per_step_by_round"])
             print(f"{name:>15}: {ms:8.1f} ms/step (median; by round {rounds}) {tokens_per_s:10.0f} tokens/s  "
                   f"peak {row['peak_gib']:5.1f} GiB  {row['model_tflops_per_gpu']:6.1f} model TF/s per GPU{of_matmul}"
-                  f"  first step {row['first_step_s']:.1f} s", flush=True)
+                  f"  build + first step {row['first_step_s']:.1f} s", flush=True)
     by = {r["attn"]: r for r in results}
     base = next((b for b in ("hf+compile", "hf") if b in by), None)  # the yardstick: what a user would run
     for r in results if base else ():
