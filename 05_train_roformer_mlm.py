@@ -749,6 +749,9 @@ def train(args, ddp, rank, world, device):
         random.setstate(ckpt["rng"][rank]["python"])
         if device.type == "cuda":
             torch.cuda.set_rng_state(ckpt["rng"][rank]["cuda"])
+    matmul_rate = matmul_tflops(device)
+    if device.type == "cuda":  # the peak printed below is this run's (the capture's included: a replay allocates
+        torch.cuda.reset_peak_memory_stats(device)  # nothing, its activations live in the graphs' own pool)
     if args.cuda_graphs:  # after loading a checkpoint (the graphs read the weights in place), before DDP
         start = time.perf_counter()
         capture_cuda_graphs(model, args.batch_size, args.seq_len, compiled=args.compile)
@@ -777,9 +780,6 @@ def train(args, ddp, rank, world, device):
         counts[[tokenizer.pad, tokenizer.cls, tokenizer.sep]] = 0
         print(f"baseline: always predicting the most frequent token ({counts.argmax().item()}) is right on "
               f"{counts.max().item() / counts.sum().item():.1%} of tokens")
-    matmul_rate = matmul_tflops(device)
-    if device.type == "cuda":  # the peak printed below is this run's: not the yardstick's, nor an earlier run's
-        torch.cuda.reset_peak_memory_stats(device)
     if master and matmul_rate:
         print(f"MFU below: model FLOPs over the bf16 matmul rate measured now ({matmul_rate:.0f} TF/s)")
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
