@@ -1004,7 +1004,7 @@ def bench(args, ddp, rank, world, device):
                 if on_gpu:
                     torch.cuda.synchronize()
                 first_step_s.setdefault(name, time.perf_counter() - start)
-                for _ in range(2):  # warm up: allocator, autotuning
+                for _ in range(2 if on_gpu else 0):  # warm up the GPU: allocator, autotuning
                     train_step()
                 if on_gpu:
                     torch.cuda.synchronize()

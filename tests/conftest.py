@@ -6,6 +6,7 @@ same tests run on larger sizes.
 """
 import contextlib
 import importlib.util
+import itertools
 import os
 import pathlib
 import sys
@@ -31,6 +32,24 @@ def load(filename):
         spec.loader.exec_module(module)
         _modules[filename] = module
     return _modules[filename]
+
+
+def all_pairs(*values):
+    """The cases of a feature matrix (one list of values per parameter): every combination on the GPU;
+    on the CPU, where the interpreter runs a kernel thousands of times slower, a few that still put
+    each value of every parameter together with each value of every other one (all-pairs testing,
+    chosen greedily: about 15 cases where the product has hundreds)."""
+    combos = list(itertools.product(*(range(len(v)) for v in values)))
+    if not ON_GPU:
+        def pairs(c):
+            return {(i, c[i], j, c[j]) for i, j in itertools.combinations(range(len(c)), 2)}
+        uncovered, chosen = set().union(*map(pairs, combos)), []
+        while uncovered:
+            best = max(combos, key=lambda c: len(pairs(c) & uncovered))
+            chosen.append(best)
+            uncovered -= pairs(best)
+        combos = sorted(chosen)
+    return [tuple(v[k] for v, k in zip(values, c)) for c in combos]
 
 
 @contextlib.contextmanager

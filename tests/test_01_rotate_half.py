@@ -2,17 +2,15 @@
 import pytest
 import torch
 
-from conftest import DEVICE, ON_GPU, load, make_view
+from conftest import DEVICE, ON_GPU, all_pairs, load, make_view
 
 m = load("01_rotate_half.py")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 ROWS = 1000 if ON_GPU else 7  # odd row counts exercise the masks
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("d", [2, 8, 80, 128])
-@pytest.mark.parametrize("view", ["contiguous", "packed", "strided_d"])
+@pytest.mark.parametrize("dtype, interleaved, d, view", all_pairs(
+    DTYPES, [False, True], [2, 8, 80, 128], ["contiguous", "packed", "strided_d"]), ids=str)
 def test_rotate_half_kernels_equal_torch(dtype, interleaved, d, view):
     x = make_view((ROWS, 3, 5, d), dtype, view)
     expected = m.rotate_half_torch(x, interleaved)

@@ -4,7 +4,7 @@ graph breaks, autocast, and the errors. CPU runs small shapes in the interpreter
 import pytest
 import torch
 
-from conftest import DEVICE, ON_GPU, load, logical_shape, make_view, random_cu_seqlens
+from conftest import DEVICE, ON_GPU, all_pairs, load, logical_shape, make_view, random_cu_seqlens
 
 rope = load("03_rope_bwd.py")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -29,13 +29,11 @@ def reference_grad(t, freqs, dy, interleaved, **kwargs):
     return y, torch.autograd.grad(y, t, dy)[0]
 
 
-@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
-@pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("d, d2", [(64, 64), (80, 48)])  # full; partial with non-power-of-2 halves
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("view", ["contiguous", "packed", "strided_d"])
-@pytest.mark.parametrize("with_start", [False, True])
-def test_gradients_match_autograd_of_reference(fmt, interleaved, d, d2, dtype, view, with_start):
+@pytest.mark.parametrize("fmt, interleaved, dims, dtype, view, with_start", all_pairs(
+    ["sbhd", "bshd", "thd"], [False, True], [(64, 64), (80, 48)],  # full; partial with non-power-of-2 halves
+    DTYPES, ["contiguous", "packed", "strided_d"], [False, True]), ids=str)
+def test_gradients_match_autograd_of_reference(fmt, interleaved, dims, dtype, view, with_start):
+    d, d2 = dims
     t, freqs, kwargs = make_inputs(fmt, d, d2, dtype, view, with_start)
     y = rope.apply_rotary_pos_emb(t, freqs, interleaved=interleaved, **kwargs)
     dy = make_view(y.shape, dtype, "permuted" if fmt != "thd" else "strided_d")  # a strided gradient

@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 
-from conftest import DEVICE, ON_GPU, deterministic_algorithms, load
+from conftest import DEVICE, ON_GPU, all_pairs, deterministic_algorithms, load
 
 attn = load("04_rope_attention.py")
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
@@ -84,9 +84,7 @@ def check(q, k, v, freqs, leaves=None, **kwargs):
     return out
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("s", LENGTHS)
+@pytest.mark.parametrize("s, masked, causal", all_pairs(LENGTHS, [False, True], [False, True]))
 def test_lengths_causal_and_padding(causal, masked, s):
     torch.manual_seed(s)
     _, q, k, v = make(2, s, 4, 2, 64)
@@ -116,9 +114,7 @@ def test_gqa_layouts_strides_dtypes(h, h_kv, tensor_format, dtype):
           attention_mask=mask, interleaved=True, tensor_format=tensor_format, sm_scale=0.3)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("d, interleaved, deterministic", all_pairs([32, 64, 128], [False, True], [False, True]))
 def test_whole_blocks(d, interleaved, deterministic):
     """A length that is a whole number of every kernel's blocks, all channels rotated, a power-of-two
     head dim: the inner loops load their tiles with no mask (EVEN_M, EVEN_N, EVEN_D)."""
@@ -187,14 +183,14 @@ def test_int64_offsets(monkeypatch, deterministic):
               tensor_format="sbhd")
 
 
-@pytest.mark.parametrize("tensor_format", ["bshd", "sbhd"])
-@pytest.mark.parametrize("causal, masked, d, d2, interleaved", [(False, False, 64, 64, True), (True, True, 80, 64, False)])
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_qkvpacked_same_as_three_tensors(tensor_format, causal, masked, d, d2, interleaved, deterministic):
+@pytest.mark.parametrize("tensor_format, case, deterministic", all_pairs(
+    ["bshd", "sbhd"], [(False, False, 64, 64, True), (True, True, 80, 64, False)], [False, True]))
+def test_qkvpacked_same_as_three_tensors(tensor_format, case, deterministic):
     """rope_attention_qkvpacked(qkv) gives rope_attention(*qkv.unbind(2))'s output and gradients,
     with qkv's gradient made by the Function itself (no stacking of three gradients by autograd).
     The float32 dq buffer starts as torch.empty: freed NaNs are offered to it first, so a row the
     delta kernel failed to zero would show."""
+    causal, masked, d, d2, interleaved = case
     torch.manual_seed(d)
     b, s, h = 2, (257 if ON_GPU else 40), 4
     shape = (s, b) if tensor_format == "sbhd" else (b, s)

@@ -373,8 +373,8 @@ def test_bench_profile_under_ddp(tmp_path):
 
 
 def test_compare_two_paths_from_the_same_seed(tmp_path, capsys):
-    curves = train.main(["--compare", "torch,triton", "--out", str(tmp_path), "--max-steps", "3"] + TINY)
-    assert set(curves) == {"torch", "triton"} and len(curves["torch"]) == 3
+    curves = train.main(["--compare", "torch,triton", "--out", str(tmp_path), "--max-steps", "2"] + TINY)
+    assert set(curves) == {"torch", "triton"} and len(curves["torch"]) == 2
     for step, loss in curves["torch"].items():  # fp32 on the CPU: the same up to rounding
         assert abs(loss - curves["triton"][step]) < 1e-4
     assert "largest difference" in capsys.readouterr().out
@@ -382,13 +382,11 @@ def test_compare_two_paths_from_the_same_seed(tmp_path, capsys):
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU --bench times the BERT-base shape; run it by hand")
 def test_bench_runs_every_path(tmp_path):
-    results = train.main(["--bench", "--bench-steps", "1", "--bench-rounds", "2", "--out", str(tmp_path)])
+    results = train.main(["--bench", "--bench-steps", "1", "--bench-rounds", "1", "--out", str(tmp_path)])
     assert [r["attn"] for r in results][:8] == [p + mode for p in train.ATTN_PATHS for mode in ("", "+compile")]
-    assert all(r["tokens_per_s"] > 0 and len(r["ms_per_step_by_round"]) == 2 for r in results)
-    for r in results:  # tokens/s from the median step of both rounds
-        assert min(r["ms_per_step_by_round"]) <= r["ms_per_step"] <= max(r["ms_per_step_by_round"])
+    assert all(r["tokens_per_s"] > 0 for r in results)
     saved = json.loads((tmp_path / "bench_1rank.json").read_text())
-    assert saved["rounds"] == 2 and [r["attn"] for r in saved["results"]] == [r["attn"] for r in results]
+    assert [r["attn"] for r in saved["results"]] == [r["attn"] for r in results]
 
 
 def test_a_batch_that_does_not_fit_gets_advice(tmp_path, monkeypatch):
@@ -419,9 +417,13 @@ def test_wordpiece_vocab_from_a_checkpoint(tmp_path):
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU --bench times the BERT-base shape; run it by hand")
 def test_bench_paths_picks_and_refuses(tmp_path):
-    results = train.main(["--bench", "--bench-steps", "1", "--bench-rounds", "1", "--out", str(tmp_path),
-                          "--bench-paths", "fused+compile,triton"])
-    assert [r["attn"] for r in results] == ["triton", "fused+compile"]
+    results = train.main(["--bench", "--bench-steps", "2", "--bench-rounds", "2", "--out", str(tmp_path),
+                          "--bench-paths", "naive,torch+compile"])  # the two cheapest in the interpreter
+    assert [r["attn"] for r in results] == ["torch+compile", "naive"]  # in the bench's order
+    for r in results:  # tokens/s from the median step of both rounds
+        assert len(r["ms_per_step_by_round"]) == 2
+        assert min(r["ms_per_step_by_round"]) <= r["ms_per_step"] <= max(r["ms_per_step_by_round"])
+    assert json.loads((tmp_path / "bench_1rank.json").read_text())["rounds"] == 2
     with pytest.raises(SystemExit, match="fused\\+warp not among"):
         train.main(["--bench", "--out", str(tmp_path), "--bench-paths", "fused+warp"])
 
