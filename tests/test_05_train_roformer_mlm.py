@@ -190,14 +190,18 @@ def test_cuda_graphs_replay_the_eager_layers(attn, compiled):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
-def test_resume_with_cuda_graphs_gives_the_same_loss_curve(tmp_path):
-    common = TINY + ["--max-steps", "6", "--grad-accum", "2", "--cuda-graphs"]
+@pytest.mark.parametrize("flags", [["--grad-accum", "2", "--cuda-graphs"], ["--cuda-graphs", "--compile"]])
+def test_resume_with_cuda_graphs_gives_the_same_loss_curve(tmp_path, flags):
+    """Graphed (with gradient accumulation), or compiled and graphed (the encoder compiled, then
+    captured; the embeddings and head compiled around the replay): an interrupted run resumes onto
+    the same curve."""
+    common = TINY + ["--max-steps", "4"] + flags
     with deterministic_algorithms():
         straight = train.main(["--out", str(tmp_path / "a")] + common)
-        train.main(["--out", str(tmp_path / "b"), "--stop-after", "3"] + common)
+        train.main(["--out", str(tmp_path / "b"), "--stop-after", "2"] + common)
         resumed = train.main(["--out", str(tmp_path / "b"), "--resume"] + common)
     losses = lambda h: [(r["step"], r["loss"]) for r in h if "loss" in r]  # noqa: E731
-    assert len(losses(straight)) == 6 and losses(resumed) == losses(straight)
+    assert len(losses(straight)) == 4 and losses(resumed) == losses(straight)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU run: the flag is refused")
@@ -446,19 +450,6 @@ def test_compiled_training_matches_eager_and_its_checkpoints_load_either_way(tmp
     resumed = train.main(["--out", str(tmp_path / "b"), "--resume"] + longer)  # eager, from a compiled run
     assert [r["step"] for r in resumed if "loss" in r][-2:] == [5, 6]
     train.main(["--out", str(tmp_path / "a"), "--resume"] + longer + ["--compile"])  # compiled, from an eager run
-
-
-@pytest.mark.skipif(not ON_GPU, reason="--cuda-graphs needs a GPU")
-def test_resume_with_compile_and_cuda_graphs_gives_the_same_loss_curve(tmp_path):
-    """--compile with --cuda-graphs: the encoder compiled, then captured; the embeddings and head compiled
-    around the replay. An interrupted run resumes onto the same curve."""
-    common = TINY[:-2] + ["--max-steps", "4", "--cuda-graphs", "--compile"]
-    with deterministic_algorithms():
-        straight = train.main(["--out", str(tmp_path / "a")] + common)
-        train.main(["--out", str(tmp_path / "b"), "--stop-after", "2"] + common)
-        resumed = train.main(["--out", str(tmp_path / "b"), "--resume"] + common)
-    losses = lambda h: [(r["step"], r["loss"]) for r in h if "loss" in r]  # noqa: E731
-    assert len(losses(straight)) == 4 and losses(resumed) == losses(straight)
 
 
 def test_compile_and_cuda_graphs_defaults(monkeypatch):
