@@ -174,10 +174,10 @@ def test_cuda_graphs_replay_the_eager_layers(attn, compiled):
             results[name] = (torch.stack(losses), [p.grad for p in model.parameters()])
     # uncompiled, the replays run the eager layers' kernels, so they agree to rounding; a replay that
     # overwrote the first micro-batch's gradients would fail the gradient check below
-    tol = 2e-2 if compiled else 1e-5
-    torch.testing.assert_close(results["graphed"][0], results["eager"][0], rtol=tol, atol=tol)
+    loss_tol, grad_tol = (2e-2, 2e-2) if compiled else (1e-6, 1e-5)
+    torch.testing.assert_close(results["graphed"][0], results["eager"][0], rtol=loss_tol, atol=loss_tol)
     for g, e in zip(results["graphed"][1], results["eager"][1]):
-        assert torch.linalg.vector_norm(g - e) <= tol * torch.linalg.vector_norm(e) + 1e-9
+        assert torch.linalg.vector_norm(g - e) <= grad_tol * torch.linalg.vector_norm(e) + 1e-9
     ids = ids[0]
     mask = torch.ones(2, 32, dtype=torch.bool, device=DEVICE)
     mask[1, 20:] = False
