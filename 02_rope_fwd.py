@@ -4,17 +4,14 @@ RoPE forward in one pass over memory
 
 In this tutorial, you will learn about:
 
-* TransformerEngine's RoPE semantics, which every later step of this collection shares: the
-  ``sbhd`` / ``bshd`` / ``thd`` layouts, partial rotary (``d2 < d``), rotate-half and interleaved
-  pairs, arbitrary per-channel angles, and ``start_positions`` for KV-cache decoding;
-* why the eager formula moves about 4.5x the bytes it needs, and a kernel that reads each input
-  element once and writes each output element once;
-* a kernel that takes any strides (a slice of a packed qkv tensor, a transposed view) without
-  copying, 64-bit offsets, head dims up to 256 (80 and 96 too) and any number of heads;
-* rotating q and k (k with fewer heads, as in grouped-query attention) in a single launch;
+* TransformerEngine's RoPE semantics, shared by every later step: the ``sbhd`` / ``bshd`` / ``thd``
+  layouts, partial rotary (``d2 < d``), rotate-half and interleaved pairs, arbitrary per-channel
+  angles, and ``start_positions`` for KV-cache decoding;
+* why the eager formula moves about 4.5x the bytes it needs, and a kernel that reads and writes
+  each element once, at any strides (a slice of a packed qkv, a transposed view), with 64-bit
+  offsets, head dims up to 256 (80 and 96 too), any head count, and q and k (GQA) in one launch;
 * checking values that live on the GPU (``cu_seqlens``) without a host sync on every call;
-* an opaque ``torch.library.custom_op`` that writes its outputs, so that ``torch.compile(fullgraph=True)``
-  takes the call whole;
+* an opaque ``torch.library.custom_op`` that writes its outputs, for ``torch.compile(fullgraph=True)``;
 * measuring a memory-bound kernel against the copy bandwidth of the same GPU, in the same run.
 
 Run ``python 02_rope_fwd.py``: it checks itself against the PyTorch reference, then benchmarks.
@@ -28,7 +25,7 @@ This file imports only torch and triton: copy it alone into your project.
 # to be set before triton is imported.
 import argparse
 import datetime
-import importlib.util
+import importlib
 import os
 import platform
 import statistics
@@ -83,17 +80,14 @@ def rope_freqs(max_seq_len, rotary_dim, base=10000.0, interleaved=False, device=
 
 def _token_positions(t, tensor_format, cu_seqlens, start_positions):
     """Position of every token, shaped to broadcast against t[..., 0, 0]."""
+    n_seqs = cu_seqlens.numel() - 1 if tensor_format == "thd" else t.shape[1 if tensor_format == "sbhd" else 0]
+    start = start_positions.long() if start_positions is not None else t.new_zeros(n_seqs, dtype=torch.long)
     if tensor_format == "thd":
         tokens = torch.arange(t.shape[0], device=t.device)
         seq = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
-        pos = tokens - cu_seqlens.long()[seq]
-        return pos + (start_positions.long()[seq] if start_positions is not None else 0)
-    s_dim = 0 if tensor_format == "sbhd" else 1
-    pos = torch.arange(t.shape[s_dim], device=t.device)
-    if start_positions is None:
-        return pos.view(-1, 1) if s_dim == 0 else pos.view(1, -1)
-    start = start_positions.long()
-    return pos[:, None] + start[None, :] if s_dim == 0 else start[:, None] + pos[None, :]
+        return tokens - cu_seqlens.long()[seq] + start[seq]
+    pos = torch.arange(t.shape[0 if tensor_format == "sbhd" else 1], device=t.device)
+    return pos[:, None] + start[None, :] if tensor_format == "sbhd" else start[:, None] + pos[None, :]
 
 
 def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
@@ -121,34 +115,28 @@ def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens
 # %%
 # Memory traffic
 # --------------
-# For N elements of q and k, the least any implementation can move is one read and one write of
-# each: 2N elements, plus the angle rows: 4*d2 bytes per position, read once from memory and then
-# shared through L2 by every batch element. Against q and k that is small when the batch is large
-# and large when it is not: at (b, s, h, d) = (1, 32768, 8, 128) in bf16, q and k move 128 MB and
-# the float32 table 16 MB, which would cap any kernel at 128/144 = 89% of a copy of q and k. Real
-# tables have equal halves, so the kernel reads one half when a flag says so (8 MB: the cap
-# becomes 128/136 = 94%); arbitrary tables still work, at the full cost. The eager formula
-# moves x*cos (N read, N written), R(x) (N, N), R(x)*sin (N, N) and the sum (2N, N): 9N, plus a
-# concatenation when d2 < d. One fused kernel can therefore be up to ~4.5x faster than eager, and
-# the right yardstick for it is a plain device-to-device copy of the same bytes: a copy also reads
-# N and writes N, and nothing that must do so can beat it. The benchmark counts exactly those
-# 2N elements of traffic (never the angle table, as the copy has none) and reports the fraction
-# of the copy's speed.
+# For N elements of q and k, any implementation must read N and write N, plus the angle rows (4*d2
+# bytes a position, shared through L2 by the whole batch). With a small batch the table is not
+# small: at (b, s, h, d) = (1, 32768, 8, 128) in bf16, q and k move 128 MB and the float32 table
+# 16 MB, a cap of 128/144 = 89% of a copy. Real tables have equal halves, so the kernel reads one
+# half when a flag says so (cap 128/136 = 94%); any other table still works, at the full cost.
+# The eager formula moves x*cos (N read, N written), R(x) (N, N), R(x)*sin (N, N) and the sum
+# (2N, N): 9N, so one fused kernel can be up to ~4.5x faster. Its yardstick is a device-to-device
+# copy of the same bytes, which also reads N and writes N: the benchmark counts those 2N (never
+# the table, which the copy lacks) and reports the fraction of the copy's speed.
 #
 # The kernel
 # ----------
-# One program takes BLOCK_S consecutive tokens of one sequence and *all* heads of q and of k.
-# It loads the angles of its tokens once, takes cos and sin in float32 once, and reuses them for
-# every head of q and k (the angles depend on the position only). Heads are walked BLOCK_H at a
-# time so any head count works, and each tile is read once and written once:
+# One program takes BLOCK_S tokens of one sequence and *all* heads of q and k: it loads the angles
+# of its tokens and takes cos and sin once, for every head (the angles depend on the position
+# only). Heads go BLOCK_H at a time, so any head count works; each tile is read and written once:
 #
 #     rotate-half: two loads, the halves x[:d2/2] and x[d2/2:d2], each contiguous in memory
 #     interleaved: one contiguous load of x[:d2], split in registers into even and odd channels
 #
-# Pass-through channels (d2 < d) are copied unless the kernel works in place. Every offset is
-# built from the strides in int64, so views and tensors of more than 2**31 elements work. In
-# ``thd`` the batch index selects a sequence through cu_seqlens and the batch stride is zero, so
-# the three layouts share one kernel.
+# Pass-through channels (d2 < d) are copied unless the kernel works in place. Offsets are built
+# from the strides in int64 (views, tensors past 2**31 elements). In ``thd`` the batch index picks
+# a sequence through cu_seqlens and the batch stride is zero: one kernel for the three layouts.
 
 
 @triton.jit
@@ -275,47 +263,34 @@ def rope_fwd_kernel(
 # %%
 # The wrapper: argument checks, then one launch
 # ---------------------------------------------
-# A bad argument must fail here with a message naming it, never inside the kernel and never as a
-# silently wrong result. Shapes, dtypes and devices are free to check. The *values* of
-# cu_seqlens and start_positions live on the GPU, and reading them costs a host sync that stalls
-# the CPU's run-ahead. q, k and every layer of one batch share those tensors, so the verdict is
-# kept for the last tensors seen (by identity and by version counter, which in-place writes
-# bump): a batch pays for one check, not one per call. The angle table's "halves equal" flag is
-# kept the same way; it is computed on the device, with no sync, once per table.
+# A bad argument fails here with a message naming it, never inside the kernel and never as a
+# silently wrong result. Shapes, dtypes and devices are free to check; the *values* of cu_seqlens
+# and start_positions live on the GPU, and reading them costs a host sync. q, k and every layer
+# of a batch share those tensors, so the verdict is kept for the last tensors seen (by identity
+# and by version counter, which in-place writes bump): a batch pays for one check. The angle
+# table's "halves equal" flag is kept the same way, computed on the device once per table.
 #
 # Under torch.compile the launch is a torch.library.custom_op: one opaque node that writes its
 # outputs (mutates_args), so fullgraph=True traces the whole call; eager calls launch directly
 # (03 measures what the dispatcher would add). A graph must not sync, so compiled calls skip the
 # value checks, and in thd the grid covers a bound on the longest sequence, min(tokens, rows of
-# freqs), instead of the longest itself: programs past a sequence's end return at once. (03's
-# kernel finds each token's sequence instead and needs no such number.)
+# freqs): programs past a sequence's end return at once.
 
 
-class _LastResult:
-    """Remember one result for the last tensors seen, by identity and version counter."""
-
-    def __init__(self):
-        self.key, self.refs, self.value = None, (), None
-
-    def get(self, tensors, extra_key, compute):
-        key = tuple((id(x), x._version) for x in tensors) + extra_key
-        if self.key != key or not all(ref() is x for ref, x in zip(self.refs, tensors)):
-            self.value = compute()
-            self.key, self.refs = key, tuple(weakref.ref(x) for x in tensors)
-        return self.value
+_last_results = {}  # what -> (key, weak references to the tensors, result)
 
 
-_checked_values, _shared_angles = _LastResult(), _LastResult()
-
-
-def _check_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
-    """Check cu_seqlens/start_positions values; return the longest sequence (thd) or seqlen."""
-    tensors = tuple(x for x in (cu_seqlens, start_positions) if x is not None)
-    return _checked_values.get(tensors, (seqlen, n_tokens, max_positions), lambda: _read_values(
-        cu_seqlens, start_positions, seqlen, n_tokens, max_positions))
+def _remember(what, tensors, extra_key, compute):
+    """compute(), or its result for the same tensors last time (same identity and version counter)."""
+    key = tuple((id(x), x._version) for x in tensors) + extra_key
+    last = _last_results.get(what)
+    if last is None or last[0] != key or not all(ref() is x for ref, x in zip(last[1], tensors)):
+        _last_results[what] = (key, tuple(weakref.ref(x) for x in tensors), compute())
+    return _last_results[what][2]
 
 
 def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
+    """Check the values of cu_seqlens and start_positions (a host sync); return the longest sequence."""
     if cu_seqlens is not None:
         cu = cu_seqlens.tolist()
         if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
@@ -324,7 +299,7 @@ def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
             raise ValueError(f"cu_seqlens[-1] = {cu[-1]} must equal the number of tokens of t, {n_tokens}")
         lengths = [b - a for a, b in zip(cu, cu[1:])]
     else:
-        lengths = [seqlen] * (start_positions.numel() if start_positions is not None else 1)
+        lengths = [seqlen] * start_positions.numel()
     starts = start_positions.tolist() if start_positions is not None else [0] * len(lengths)
     if min(starts, default=0) < 0:
         raise ValueError(f"start_positions must be >= 0, got {min(starts)}")
@@ -344,7 +319,7 @@ def _angles_shared(freqs, interleaved):
         return (f_a == f_b).all().to(torch.int32).reshape(1)
     if torch.compiler.is_compiling():  # traced into the graph; the memo is eager-only
         return compute()
-    return _shared_angles.get((freqs,), (interleaved,), compute)
+    return _remember("angles shared", (freqs,), (interleaved,), compute)
 
 
 def _layout(t, tensor_format):
@@ -367,15 +342,13 @@ def _check_tensor(x, name, tensor_format):
 
 
 def _check_outs(tensors, outs, names):
-    """Each output the caller gave matches its input and is either that input (in place) or shares
-    no memory with any input: the kernel loads a tile of q and of k before storing either, so an
-    output that overlapped the other input would race. Returns the outputs and whether every one
-    is in place."""
-    if all(out is None for out in outs):  # fresh outputs cannot overlap anything: nothing to check
+    """Each output given matches its input and is either that input (in place) or shares no memory
+    with any input: the kernel loads a tile of q and of k before storing either, so an output that
+    overlapped the other input would race. Returns the outputs and whether all are in place."""
+    if all(out is None for out in outs):  # fresh outputs cannot overlap anything
         return [torch.empty_like(x) for x in tensors], False
     outs = [torch.empty_like(x) if o is None else o for x, o in zip(tensors, outs)]
     out_names = ["out"] if len(outs) == 1 else [n + "_out" for n in names]
-    same_storage = lambda a, b: a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # noqa: E731
     in_place, tracing = [], torch.compiler.is_compiling()
     for x, out, name in zip(tensors, outs, out_names):
         if not isinstance(out, torch.Tensor):
@@ -386,10 +359,11 @@ def _check_outs(tensors, outs, names):
         in_place.append(out is x or (not tracing and out.data_ptr() == x.data_ptr() and out.stride() == x.stride()))
     if tracing:  # a traced tensor has no address: the overlap check runs in eager mode only
         return outs, all(in_place)
+    storage = lambda x: x.untyped_storage().data_ptr()  # noqa: E731
     for j, (out, name) in enumerate(zip(outs, out_names)):
         for i, (x, x_name) in enumerate(zip(tensors, names)):
             allowed = in_place[j] and (i == j or all(in_place))  # all in place: a packed qkv is fine
-            if same_storage(out, x) and not allowed:
+            if storage(out) == storage(x) and not allowed:
                 raise ValueError(f"{name} shares memory with {x_name}; write in place (pass the inputs "
                                  "themselves as outputs) or to separate buffers")
     return outs, all(in_place)
@@ -455,13 +429,15 @@ def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_po
     if torch.compiler.is_compiling():  # no host sync in a graph: values unchecked, the longest sequence bounded
         seqlen = min(t.shape[0], max_positions) if tensor_format == "thd" else seqlen
     elif cu_seqlens is not None or start_positions is not None:
-        seqlen = _check_values(cu_seqlens, start_positions, seqlen, t.shape[0], max_positions)
+        checked = tuple(x for x in (cu_seqlens, start_positions) if x is not None)
+        args = (cu_seqlens, start_positions, seqlen, t.shape[0], max_positions)
+        seqlen = _remember("values checked", checked, args[2:], lambda: _read_values(*args))
 
     outs, in_place = _check_outs(tensors, outs, names)
-    q, k = tensors[0], (tensors[1] if len(tensors) == 2 else None)
+    k = tensors[1] if len(tensors) == 2 else None
     if t.numel() and seqlen:
         (_rope_op if torch.compiler.is_compiling() else _launch)(
-            q, outs[0], k, outs[-1] if k is not None else None, freqs, _angles_shared(freqs, interleaved), cu_seqlens,
+            t, outs[0], k, outs[-1] if k is not None else None, freqs, _angles_shared(freqs, interleaved), cu_seqlens,
             start_positions, seqlen, tensor_format, interleaved, rot_dim < head_dim and not in_place)
     return outs
 
@@ -571,25 +547,22 @@ def self_check():
 # %%
 # Benchmark
 # ---------
-# bf16 q and k (k with as many heads as q), the same data in each layout; GB/s counts one read
-# and one write of q and k. The yardstick, measured in the same run, is a device-to-device copy
-# of the same number of bytes. Optional rows: 01's naive path when 01_rotate_half.py sits beside
-# this file, Liger-Kernel's and flash-attention's Triton rotary kernels when they are installed.
+# bf16 q and k of equal shape, the same data in each layout; GB/s counts one read and one write of
+# q and k, and the yardstick is a device-to-device copy of as many bytes, timed in the same run.
+# Optional rows: Liger-Kernel's and flash-attention's Triton rotary kernels, when installed.
 #
-# What is timed is the GPU's work, replayed from a CUDA graph (the median of three
-# triton.testing.do_bench_cudagraph medians). Timing calls issued one by one from Python would
-# time the host instead wherever the host takes longer to launch a call than the GPU takes to run
-# it: this wrapper's checks plus Triton's launcher cost 70-190 us of Python a call (the table's
-# last column), and the (32, 512, 12, 64) kernel runs in under 40. Such timings follow the host's
-# CPU. The host cost is real, so the table prints it too: eager callers pay it on every call; CUDA
-# graphs and torch.compile's "reduce-overhead" mode do not.
+# The time is the GPU's work, replayed from a CUDA graph (the median of three do_bench_cudagraph
+# medians). Calls issued one by one from Python would time the host wherever it launches a call
+# slower than the GPU runs it: this wrapper's checks and Triton's launcher cost 70-190 us a call
+# (the table's last column), and the (32, 512, 12, 64) kernel runs in under 40. Eager callers pay
+# that host cost on every call; CUDA graphs and compiled code in them do not.
 
 BENCH_SHAPES = [(4, 4096, 32, 128), (32, 512, 12, 64), (1, 32768, 8, 128)]  # (b, s, h, d)
 CPU_SHAPES = [(2, 64, 4, 64)]
 
 
 def _time_ms(fn):
-    if DEVICE.type == "cuda":  # GPU time only; the median of three medians
+    if DEVICE.type == "cuda":
         return statistics.median(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
                                  for _ in range(3))
     start = time.perf_counter()
@@ -609,34 +582,15 @@ def _host_us_per_call(fn, calls=50):
     return host_s / calls * 1e6
 
 
-def _load_sibling(filename):
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), filename)
-    if not os.path.exists(path):
-        return None
-    spec = importlib.util.spec_from_file_location(filename[:-3].lstrip("0123456789_"), path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _optional_providers():
-    """Liger-Kernel (bshd only: it takes [b, h, s, d] views of bshd memory) and flash-attention."""
-    found = {}
+def _import_optional(what, module, name):
     try:
-        from liger_kernel.ops.rope import rope_forward as liger_rope
-        found["liger"] = liger_rope
+        return getattr(importlib.import_module(module), name)
     except ImportError as e:
-        print(f"(Liger-Kernel not installed, its row is skipped: {e})")
-    try:
-        from flash_attn.ops.triton.rotary import apply_rotary as fa_rotary
-        found["flash-attn"] = fa_rotary
-    except ImportError as e:
-        print(f"(flash-attention's Triton rotary not importable, its row is skipped: {e})")
-    return found
+        print(f"({what} not importable, its row is skipped: {e})")
 
 
-def _providers(q, k, freqs, fmt, kwargs, b, s, naive, optional, compiled):
-    """name -> zero-argument function rotating q and k (of b sequences of length s) in layout fmt."""
+def _providers(q, k, freqs, fmt, kwargs, s, extra):
+    """name -> zero-argument function rotating q and k (sequences of length s) in layout fmt."""
     src = torch.randn(q.numel() + k.numel(), device=DEVICE, dtype=q.dtype)
     dst, q_out, k_out = torch.empty_like(src), torch.empty_like(q), torch.empty_like(k)
     fns = {
@@ -645,60 +599,52 @@ def _providers(q, k, freqs, fmt, kwargs, b, s, naive, optional, compiled):
         "eager": lambda: (rope_reference(q, freqs, compute_dtype=None, **kwargs),
                           rope_reference(k, freqs, compute_dtype=None, **kwargs)),
     }
-    if compiled is not None:
-        fns["torch.compile"] = lambda: compiled(q, k, freqs, **kwargs)
-    if naive is not None and fmt != "thd":
-        fns["01 naive"] = lambda: (naive.apply_rope_naive(q, freqs, tensor_format=fmt),
-                                   naive.apply_rope_naive(k, freqs, tensor_format=fmt))
+    if extra.get("compiled"):
+        fns["torch.compile"] = lambda: extra["compiled"](q, k, freqs, **kwargs)
     # Both libraries take precomputed cos/sin tables (not counted in their time), in their own shapes.
     angles = freqs[:s, 0, 0]
-    if "liger" in optional and fmt == "bshd":  # Liger: [b, h, s, d] views and the full [1, s, d] table
-        full_cos, full_sin = angles.cos().to(q.dtype)[None], angles.sin().to(q.dtype)[None]
-        fns["liger (in place)"] = lambda: optional["liger"](q.transpose(1, 2), k.transpose(1, 2), full_cos, full_sin)
-    if "flash-attn" in optional:  # flash-attn: bshd (any strides) or thd, and [s, d/2] tables
-        half_angles = angles[:, : angles.shape[1] // 2]
-        half_cos, half_sin = half_angles.cos().to(q.dtype), half_angles.sin().to(q.dtype)
-        as_bshd = (lambda x: x.transpose(0, 1)) if fmt == "sbhd" else (lambda x: x)
+    if extra.get("liger") and fmt == "bshd":  # [b, h, s, d] views of bshd memory, a [1, s, d] table
+        cos, sin = angles.cos().to(q.dtype)[None], angles.sin().to(q.dtype)[None]
+        fns["liger (in place)"] = lambda: extra["liger"](q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    if extra.get("flash-attn"):  # bshd (any strides) or thd, and [s, d/2] tables
+        half_cos, half_sin = (f(angles[:, : angles.shape[1] // 2]).to(q.dtype) for f in (torch.cos, torch.sin))
+        bshd = (lambda x: x.transpose(0, 1)) if fmt == "sbhd" else (lambda x: x)
         fa_kwargs = dict(cu_seqlens=kwargs["cu_seqlens"], max_seqlen=s) if fmt == "thd" else {}
-        fns["flash-attn"] = lambda: (optional["flash-attn"](as_bshd(q), half_cos, half_sin, **fa_kwargs),
-                                     optional["flash-attn"](as_bshd(k), half_cos, half_sin, **fa_kwargs))
+        fns["flash-attn"] = lambda: (extra["flash-attn"](bshd(q), half_cos, half_sin, **fa_kwargs),
+                                     extra["flash-attn"](bshd(k), half_cos, half_sin, **fa_kwargs))
     return fns
 
 
 def benchmark():
-    shapes = BENCH_SHAPES if DEVICE.type == "cuda" else CPU_SHAPES
-    if DEVICE.type != "cuda":
+    on_gpu = DEVICE.type == "cuda"
+    if not on_gpu:
         print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
               "show that the benchmark runs; they say nothing about speed.")
-    naive = _load_sibling("01_rotate_half.py")
-    optional, compiled = {}, None
-    if DEVICE.type == "cuda":
-        optional = _optional_providers()
+    extra = {}
+    if on_gpu:
+        extra["liger"] = _import_optional("Liger-Kernel", "liger_kernel.ops.rope", "rope_forward")
+        extra["flash-attn"] = _import_optional("flash-attention's rotary", "flash_attn.ops.triton.rotary", "apply_rotary")
         torch._dynamo.config.cache_size_limit = 64  # one graph per shape and layout
-
-        def rope_reference_qk(q, k, freqs, **kwargs):
-            return rope_reference(q, freqs, **kwargs), rope_reference(k, freqs, **kwargs)
-        compiled = torch.compile(rope_reference_qk)
+        extra["compiled"] = torch.compile(lambda q, k, freqs, **kw: (rope_reference(q, freqs, **kw),
+                                                                     rope_reference(k, freqs, **kw)))
     rows = []
-    for b, s, h, d in shapes:
+    for b, s, h, d in BENCH_SHAPES if on_gpu else CPU_SHAPES:
         freqs = rope_freqs(s, d, device=DEVICE)
-        q = torch.randn(b, s, h, d, device=DEVICE, dtype=torch.bfloat16)
-        k = torch.randn(b, s, h, d, device=DEVICE, dtype=torch.bfloat16)
-        cu_seqlens = torch.arange(0, b * s + 1, s, dtype=torch.int32, device=DEVICE)
+        q, k = (torch.randn(b, s, h, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
         layouts = {
             "bshd": (q, k, {}),
             "sbhd": (q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(), {}),
-            "thd": (q.flatten(0, 1), k.flatten(0, 1), {"cu_seqlens": cu_seqlens}),
+            "thd": (q.flatten(0, 1), k.flatten(0, 1),
+                    {"cu_seqlens": torch.arange(0, b * s + 1, s, dtype=torch.int32, device=DEVICE)}),
         }
         gbytes = 2 * (q.numel() + k.numel()) * q.element_size() / 1e9  # read + write of q and k
-        for fmt, (q_fmt, k_fmt, extra) in layouts.items():
-            kwargs = dict(tensor_format=fmt, **extra)
-            fns = _providers(q_fmt, k_fmt, freqs, fmt, kwargs, b, s, naive, optional, compiled)
+        for fmt, (q_fmt, k_fmt, kwargs) in layouts.items():
+            fns = _providers(q_fmt, k_fmt, freqs, fmt, dict(tensor_format=fmt, **kwargs), s, extra)
             times = {name: _time_ms(fn) for name, fn in fns.items()}
             for name, ms in times.items():
                 row = dict(shape=(b, s, h, d), layout=fmt, provider=name, us=ms * 1e3,
                            gbps=gbytes / (ms * 1e-3), pct_copy=100 * times["copy"] / ms)
-                if DEVICE.type == "cuda" and name == "triton (ours)":
+                if on_gpu and name == "triton (ours)":
                     row["host_us"] = _host_us_per_call(fns[name])
                 rows.append(row)
                 host = f"   host {row['host_us']:.1f} us/call" if "host_us" in row else ""
@@ -708,23 +654,17 @@ def benchmark():
 
 
 def markdown_table(rows):
-    """One line per (shape, layout); a column per provider: GPU time in us and % of the copy's
-    speed; a last column with the host's cost of one eager call of ours."""
+    """A line per (shape, layout), a column per provider (GPU us and % of the copy's speed), and the
+    host cost of one eager call of ours."""
     providers = list(dict.fromkeys(r["provider"] for r in rows))
     lines = ["| shape (b, s, h, d) | layout | " + " | ".join(providers) + " | ours: host us / call |",
              "|---|---|" + "---|" * (len(providers) + 1)]
     for key in dict.fromkeys((r["shape"], r["layout"]) for r in rows):
-        here = [r for r in rows if (r["shape"], r["layout"]) == key]
-        cells = {r["provider"]: f"{r['us']:.1f} us ({r['pct_copy']:.0f}%)" for r in here}
-        host = next((f"{r['host_us']:.0f}" for r in here if "host_us" in r), "n/a")
-        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells.get(p, "n/a") for p in providers)
-                     + f" | {host} |")
+        cells = {r["provider"]: r for r in rows if (r["shape"], r["layout"]) == key}
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(
+            f"{cells[p]['us']:.1f} us ({cells[p]['pct_copy']:.0f}%)" if p in cells else "n/a" for p in providers)
+            + f" | {cells['triton (ours)'].get('host_us', float('nan')):.0f} |")
     return "\n".join(lines)
-
-
-def gpu_kind():
-    """'H100', 'H200', ...: results are kept per kind of GPU."""
-    return next((w for w in torch.cuda.get_device_name().split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
 
 
 def environment():
@@ -737,11 +677,10 @@ def save_results(rows, name, title, results_dir):
     """results/<name>.md (environment + table) and, with matplotlib, results/<name>.png."""
     os.makedirs(results_dir, exist_ok=True)
     with open(os.path.join(results_dir, name + ".md"), "w") as f:
-        f.write(f"# {title}\n\n{environment()}\n\nbf16 q and k of equal shape; time is GPU time, the median of "
-                f"three `triton.testing.do_bench_cudagraph` medians; (x%) is the speed as a fraction of a "
-                f"device-to-device copy of the same bytes, measured in the same run. The last column is the host "
-                f"time one eager call of ours costs (Python checks and Triton's launcher), which calls issued one "
-                f"by one from Python pay and CUDA graphs do not. Raw log: `{name}.log`.\n\n{markdown_table(rows)}\n")
+        f.write(f"# {title}\n\n{environment()}\n\nbf16 q and k of equal shape; GPU time, the median of three "
+                f"`triton.testing.do_bench_cudagraph` medians; (x%): the speed as a fraction of a device-to-device "
+                f"copy of the same bytes, in the same run. Last column: host time of one eager call of ours. "
+                f"Raw log: `{name}.log`.\n\n{markdown_table(rows)}\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -775,5 +714,6 @@ if __name__ == "__main__":
     self_check()
     rows = benchmark()
     if DEVICE.type == "cuda":
-        save_results(rows, f"02_rope_fwd_{gpu_kind()}", "RoPE forward, q and k", args.results)
+        gpu_kind = next((w for w in torch.cuda.get_device_name().split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
+        save_results(rows, f"02_rope_fwd_{gpu_kind}", "RoPE forward, q and k", args.results)  # per kind of GPU
         print("\n" + markdown_table(rows))

@@ -65,17 +65,14 @@ def rope_freqs(max_seq_len, rotary_dim, base=10000.0, interleaved=False, device=
 
 def _token_positions(t, tensor_format, cu_seqlens, start_positions):
     """Position of every token, shaped to broadcast against t[..., 0, 0]."""
+    n_seqs = cu_seqlens.numel() - 1 if tensor_format == "thd" else t.shape[1 if tensor_format == "sbhd" else 0]
+    start = start_positions.long() if start_positions is not None else t.new_zeros(n_seqs, dtype=torch.long)
     if tensor_format == "thd":
         tokens = torch.arange(t.shape[0], device=t.device)
         seq = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
-        pos = tokens - cu_seqlens.long()[seq]
-        return pos + (start_positions.long()[seq] if start_positions is not None else 0)
-    s_dim = 0 if tensor_format == "sbhd" else 1
-    pos = torch.arange(t.shape[s_dim], device=t.device)
-    if start_positions is None:
-        return pos.view(-1, 1) if s_dim == 0 else pos.view(1, -1)
-    start = start_positions.long()
-    return pos[:, None] + start[None, :] if s_dim == 0 else start[:, None] + pos[None, :]
+        return tokens - cu_seqlens.long()[seq] + start[seq]
+    pos = torch.arange(t.shape[0 if tensor_format == "sbhd" else 1], device=t.device)
+    return pos[:, None] + start[None, :] if tensor_format == "sbhd" else start[:, None] + pos[None, :]
 
 
 def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
@@ -379,21 +376,16 @@ def _rope(*args):
 # past the table instead of reading out of bounds). The "halves equal" flag is kept likewise.
 
 
-class _LastResult:
-    """Remember one result for the last tensors seen, by identity and version counter."""
-
-    def __init__(self):
-        self.key, self.refs, self.value = None, (), None
-
-    def get(self, tensors, extra_key, compute):
-        key = tuple((id(x), x._version) for x in tensors) + extra_key
-        if self.key != key or not all(ref() is x for ref, x in zip(self.refs, tensors)):
-            self.value = compute()
-            self.key, self.refs = key, tuple(weakref.ref(x) for x in tensors)
-        return self.value
+_last_results = {}  # what -> (key, weak references to the tensors, result)
 
 
-_checked_values, _shared_angles = _LastResult(), _LastResult()
+def _remember(what, tensors, extra_key, compute):
+    """compute(), or its result for the same tensors last time (same identity and version counter)."""
+    key = tuple((id(x), x._version) for x in tensors) + extra_key
+    last = _last_results.get(what)
+    if last is None or last[0] != key or not all(ref() is x for ref, x in zip(last[1], tensors)):
+        _last_results[what] = (key, tuple(weakref.ref(x) for x in tensors), compute())
+    return _last_results[what][2]
 
 
 def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
@@ -405,7 +397,7 @@ def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
             raise ValueError(f"cu_seqlens[-1] = {cu[-1]} must equal the number of tokens of t, {n_tokens}")
         lengths = [b - a for a, b in zip(cu, cu[1:])]
     else:
-        lengths = [seqlen] * (start_positions.numel() if start_positions is not None else 1)
+        lengths = [seqlen] * start_positions.numel()
     starts = start_positions.tolist() if start_positions is not None else [0] * len(lengths)
     if min(starts, default=0) < 0:
         raise ValueError(f"start_positions must be >= 0, got {min(starts)}")
@@ -424,7 +416,7 @@ def _angles_shared(freqs, interleaved):
         return (f_a == f_b).all().to(torch.int32).reshape(1)
     if torch.compiler.is_compiling():  # traced into the graph; the memo is eager-only
         return compute()
-    return _shared_angles.get((freqs,), (interleaved,), compute)
+    return _remember("angles shared", (freqs,), (interleaved,), compute)
 
 
 def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions):
@@ -478,9 +470,8 @@ def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions):
         if start_positions.shape != (batch,):
             raise ValueError(f"start_positions must have shape [b] = [{batch}], got {tuple(start_positions.shape)}")
     if (cu_seqlens is not None or start_positions is not None) and not torch.compiler.is_compiling():
-        values = tuple(x for x in (cu_seqlens, start_positions) if x is not None)
-        _checked_values.get(values, (seqlen, t.shape[0], max_positions), lambda: _read_values(
-            cu_seqlens, start_positions, seqlen, t.shape[0], max_positions))
+        args = (cu_seqlens, start_positions, seqlen, t.shape[0], max_positions)
+        _remember("values checked", [x for x in args[:2] if x is not None], args[2:], lambda: _read_values(*args))
 
 
 # %%
@@ -628,25 +619,21 @@ def _time_ms(fn, replays=10):
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
-    fn()  # warm up: compilation, memos
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    calls = max(1, min(200, int(20 / max(start.elapsed_time(end), 1e-3))))  # about 20 ms a replay
+
+    def elapsed_ms(run):
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+    fn()  # warm up: compilation, memos
+    calls = max(1, min(200, int(20 / max(elapsed_ms(fn), 1e-3))))  # about 20 ms a replay
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):
         for _ in range(calls):
             fn()
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    return statistics.median(elapsed_ms(graph.replay) / calls for _ in range(replays))
 
 
 def _host_us_per_call(fn, calls=50):
@@ -727,15 +714,12 @@ def benchmark():
         except ImportError as e:
             print(f"(Liger-Kernel not installed, its rows are skipped: {e})")
         torch._dynamo.config.cache_size_limit = 64
-
-        def rope_reference_qk(q, k, freqs, **kwargs):
-            return rope_reference(q, freqs, compute_dtype=None, **kwargs), rope_reference(k, freqs, compute_dtype=None, **kwargs)
-        compiled = torch.compile(rope_reference_qk)
+        compiled = torch.compile(lambda q, k, freqs, **kw: (rope_reference(q, freqs, compute_dtype=None, **kw),
+                                                            rope_reference(k, freqs, compute_dtype=None, **kw)))
     rows = []
     for b, s, h, d in shapes:
         freqs = rope_freqs(s, d, device=DEVICE)
-        q = torch.randn(b, s, h, d, device=DEVICE, dtype=torch.bfloat16)
-        k = torch.randn(b, s, h, d, device=DEVICE, dtype=torch.bfloat16)
+        q, k = (torch.randn(b, s, h, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
         layouts = {"bshd": (q, k, {}),
                    "thd": (q.flatten(0, 1), k.flatten(0, 1),
                            {"cu_seqlens": torch.arange(0, b * s + 1, s, dtype=torch.int32, device=DEVICE)})}
@@ -764,11 +748,6 @@ def markdown_table(rows, mode):
     return "\n".join(lines)
 
 
-def gpu_kind():
-    """'H100', 'H200', ...: results are kept per kind of GPU."""
-    return next((w for w in torch.cuda.get_device_name().split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
-
-
 def environment():
     gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "none (Triton interpreter)"
     return (f"device: {gpu}; date: {datetime.date.today()}; torch {torch.__version__}; "
@@ -776,16 +755,16 @@ def environment():
 
 
 def save_results(rows, results_dir):
-    """results/03_rope_bwd_<gpu>.md (environment + both tables) and, with matplotlib, the plot."""
+    """results/03_rope_bwd_<gpu kind>.md (environment + both tables) and, with matplotlib, the plot."""
     os.makedirs(results_dir, exist_ok=True)
-    stem = os.path.join(results_dir, f"03_rope_bwd_{gpu_kind()}")
+    gpu_kind = next((w for w in torch.cuda.get_device_name().split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
+    stem = os.path.join(results_dir, f"03_rope_bwd_{gpu_kind}")
     with open(stem + ".md", "w") as f:
-        f.write(f"# RoPE backward, q and k\n\n{environment()}\n\nbf16 q and k of equal shape. Times are GPU time: the "
-                "median over 10 replays of a CUDA graph of about 20 ms of calls, per call. (x%) is the speed as a "
-                "fraction of a device-to-device copy of the same bytes (for fwd+bwd, two copies), measured in the "
-                "same run. The last column is the host time of one eager call of ours (and, for the backward, of the "
-                "same call through the torch.library op, as compiled code makes it). Raw log: "
-                f"`{os.path.basename(stem)}.log`.\n\n"
+        f.write(f"# RoPE backward, q and k\n\n{environment()}\n\nbf16 q and k of equal shape; GPU time per call, the "
+                "median of 10 replays of a CUDA graph of about 20 ms of calls; (x%): the speed as a fraction of a "
+                "device-to-device copy of the same bytes (fwd+bwd: two copies), in the same run. Last column: host "
+                "time of one eager call of ours (backward: and through the torch.library op, as compiled code calls "
+                f"it). Raw log: `{os.path.basename(stem)}.log`.\n\n"
                 f"## Backward alone\n\n{markdown_table(rows, 'backward')}\n\n"
                 f"## Forward + backward\n\n{markdown_table(rows, 'fwd+bwd')}\n")
     try:
