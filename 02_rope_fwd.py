@@ -92,12 +92,8 @@ def _token_positions(t, tensor_format, cu_seqlens, start_positions):
 
 def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
                    start_positions=None, compute_dtype=torch.float32):
-    """Plain PyTorch RoPE: the oracle for the tests.
-
-    Same arguments and shapes as ``rope_fwd``. Computes in ``compute_dtype`` (float32: one
-    rounding, like the kernel); ``compute_dtype=None`` multiplies in t's dtype, which is exactly
-    TransformerEngine's unfused formula (cos/sin in float32, then cast).
-    """
+    """Plain PyTorch RoPE, the tests' oracle; ``rope_fwd``'s arguments. Computes in float32 (one rounding,
+    like the kernel); ``compute_dtype=None`` multiplies in t's dtype: TransformerEngine's unfused formula."""
     d2 = freqs.shape[-1]
     pos = _token_positions(t, tensor_format, cu_seqlens, start_positions)
     angles = freqs.reshape(freqs.shape[0], d2)[pos].unsqueeze(-2)  # [..., 1, d2]: one row per token
@@ -156,9 +152,8 @@ def _load_pairs(x_tile, stride_d, mask, rot_dim, BLOCK_S: tl.constexpr, BLOCK_H:
 
 
 @triton.jit
-def _store_rotated(y_tile, stride_d, mask, x_a, x_b, cos_a, sin_a, cos_b, sin_b, rot_dim,
-                   BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-                   INTERLEAVED: tl.constexpr):
+def _store_rotated(y_tile, stride_d, mask, x_a, x_b, cos_a, sin_a, cos_b, sin_b, rot_dim, BLOCK_S: tl.constexpr,
+                   BLOCK_H: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
     """y_a = x_a cos(f_a) - x_b sin(f_a), y_b = x_b cos(f_b) + x_a sin(f_b), stored where x came from."""
     y_a = (x_a * cos_a - x_b * sin_a).to(y_tile.dtype.element_ty)
     y_b = (x_b * cos_b + x_a * sin_b).to(y_tile.dtype.element_ty)
@@ -311,8 +306,8 @@ def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
 
 
 def _angles_shared(freqs, interleaved):
-    """A one-element int32 device tensor: 1 if f_b == f_a at every position, as in any true
-    rotation table; the kernel then reads half the table. Kept per table (no host sync)."""
+    """int32 [1] on the device: 1 if f_b == f_a everywhere (a true rotation table: the kernel then
+    reads half of it). Computed on the device, kept per table."""
     def compute():
         f = freqs[:, 0, 0]
         f_a, f_b = (f[:, 0::2], f[:, 1::2]) if interleaved else f.chunk(2, dim=-1)
@@ -329,16 +324,6 @@ def _layout(t, tensor_format):
     if tensor_format == "bshd":
         return tuple(t.shape), tuple(t.stride())
     return (None, t.shape[0], t.shape[1], t.shape[2]), (0, t.stride(0), t.stride(1), t.stride(2))
-
-
-def _check_tensor(x, name, tensor_format):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
-    rank = 3 if tensor_format == "thd" else 4
-    if x.dim() != rank:
-        raise ValueError(f"{name} must have {rank} dims for tensor_format='{tensor_format}', got shape {tuple(x.shape)}")
 
 
 def _check_outs(tensors, outs, names):
@@ -373,20 +358,17 @@ def _next_pow2(n):  # plain Python: triton.next_power_of_2 costs microseconds a 
     return 1 << (n - 1).bit_length()
 
 
-def _launch_config(half, n_heads):
-    """One token per program, its heads in four unrolled steps, few warps: many small programs keep
-    the most bytes in flight per multiprocessor. Chosen from a sweep of BLOCK_S x BLOCK_H x warps
-    on an H200 (results/02_rope_fwd_sweep.log); the best configs all had BLOCK_S = 1."""
-    block_h = max(1, _next_pow2(n_heads) // 4)
-    return dict(BLOCK_S=1, BLOCK_H=block_h, num_warps=2 if block_h * half <= 128 else 4)
-
-
 def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_positions):
     if tensor_format not in TENSOR_FORMATS:
         raise ValueError(f"tensor_format must be one of {TENSOR_FORMATS}, got {tensor_format!r}")
-    names = ("t",) if len(tensors) == 1 else ("q", "k")
+    names, rank = ("t",) if len(tensors) == 1 else ("q", "k"), 3 if tensor_format == "thd" else 4
     for x, name in zip(tensors, names):
-        _check_tensor(x, name, tensor_format)
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+        if x.dim() != rank:
+            raise ValueError(f"{name} must have {rank} dims for tensor_format='{tensor_format}', got shape {tuple(x.shape)}")
     t = tensors[0]
     if not isinstance(freqs, torch.Tensor):
         raise TypeError(f"freqs must be a torch.Tensor, got {type(freqs).__name__}")
@@ -448,25 +430,23 @@ def _launch(q: torch.Tensor, q_out: torch.Tensor, k: Optional[torch.Tensor], k_o
             copy_pass: bool) -> None:
     """Write RoPE(q) into q_out (and RoPE(k) into k_out); seqlen: the longest sequence, or a bound on it."""
     (batch, _, _, head_dim), _ = _layout(q, tensor_format)
-    if tensor_format == "thd":
-        batch = cu_seqlens.numel() - 1
-    rot_dim = freqs.shape[3]
-    half = _next_pow2(rot_dim // 2)
+    batch = cu_seqlens.numel() - 1 if tensor_format == "thd" else batch
+    rot_dim, half = freqs.shape[3], _next_pow2(freqs.shape[3] // 2)
     k, k_out = (k, k_out) if k is not None else (q, q_out)
     n_heads = (q.shape[-2], k.shape[-2])
-    strides = [s for x in (q, q_out, k, k_out) for s in _layout(x, tensor_format)[1]]
-    config = _launch_config(half, max(n_heads))
-    n_seq_blocks = -(-seqlen // config["BLOCK_S"])
-    rope_fwd_kernel[(batch * n_seq_blocks,)](
-        q, q_out, k, k_out, freqs, angles_shared,
-        cu_seqlens if cu_seqlens is not None else freqs,
+    # One token per program, its heads in four unrolled steps, few warps: many small programs keep the
+    # most bytes in flight per multiprocessor (the best of a sweep of BLOCK_S x BLOCK_H x warps on an
+    # H200, results/02_rope_fwd_sweep.log: all of the best had BLOCK_S = 1).
+    block_h = max(1, _next_pow2(max(n_heads)) // 4)
+    rope_fwd_kernel[(batch * seqlen,)](
+        q, q_out, k, k_out, freqs, angles_shared, cu_seqlens if cu_seqlens is not None else freqs,
         start_positions if start_positions is not None else freqs,
-        batch, n_seq_blocks, seqlen, n_heads[0], n_heads[1], head_dim, rot_dim, freqs.shape[0], *strides,
-        freqs.stride(0), freqs.stride(3),
-        HALF=half, PASS=_next_pow2(max(head_dim - rot_dim, 1)),
-        N_HEAD_BLOCKS=-(-max(n_heads) // config["BLOCK_H"]), INTERLEAVED=interleaved,
-        IS_THD=tensor_format == "thd", HAS_START_POSITIONS=start_positions is not None,
-        HAS_K=k is not q, COPY_PASS=copy_pass, BATCH_FASTEST=tensor_format == "sbhd", **config,
+        batch, seqlen, seqlen, n_heads[0], n_heads[1], head_dim, rot_dim, freqs.shape[0],
+        *[s for x in (q, q_out, k, k_out) for s in _layout(x, tensor_format)[1]], freqs.stride(0), freqs.stride(3),
+        BLOCK_S=1, BLOCK_H=block_h, num_warps=2 if block_h * half <= 128 else 4, HALF=half,
+        PASS=_next_pow2(max(head_dim - rot_dim, 1)), N_HEAD_BLOCKS=-(-max(n_heads) // block_h),
+        INTERLEAVED=interleaved, IS_THD=tensor_format == "thd", HAS_START_POSITIONS=start_positions is not None,
+        HAS_K=k is not q, COPY_PASS=copy_pass, BATCH_FASTEST=tensor_format == "sbhd",
     )
 
 
@@ -552,10 +532,9 @@ def self_check():
 # Optional rows: Liger-Kernel's and flash-attention's Triton rotary kernels, when installed.
 #
 # The time is the GPU's work, replayed from a CUDA graph (the median of three do_bench_cudagraph
-# medians). Calls issued one by one from Python would time the host wherever it launches a call
-# slower than the GPU runs it: this wrapper's checks and Triton's launcher cost 70-190 us a call
-# (the table's last column), and the (32, 512, 12, 64) kernel runs in under 40. Eager callers pay
-# that host cost on every call; CUDA graphs and compiled code in them do not.
+# medians). Calls issued one by one from Python would time the host instead wherever it launches
+# a call slower than the GPU runs it: an eager call of ours costs more host time (argument checks,
+# Triton's launcher; 03's table measures it) than the (32, 512, 12, 64) kernel takes on the GPU.
 
 BENCH_SHAPES = [(4, 4096, 32, 128), (32, 512, 12, 64), (1, 32768, 8, 128)]  # (b, s, h, d)
 CPU_SHAPES = [(2, 64, 4, 64)]
@@ -568,18 +547,6 @@ def _time_ms(fn):
     start = time.perf_counter()
     fn()
     return (time.perf_counter() - start) * 1e3
-
-
-def _host_us_per_call(fn, calls=50):
-    """Host time to issue one call, the GPU not waited for (what a Python loop pays per call)."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host_s = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return host_s / calls * 1e6
 
 
 def _import_optional(what, module, name):
@@ -642,28 +609,21 @@ def benchmark():
             fns = _providers(q_fmt, k_fmt, freqs, fmt, dict(tensor_format=fmt, **kwargs), s, extra)
             times = {name: _time_ms(fn) for name, fn in fns.items()}
             for name, ms in times.items():
-                row = dict(shape=(b, s, h, d), layout=fmt, provider=name, us=ms * 1e3,
-                           gbps=gbytes / (ms * 1e-3), pct_copy=100 * times["copy"] / ms)
-                if on_gpu and name == "triton (ours)":
-                    row["host_us"] = _host_us_per_call(fns[name])
-                rows.append(row)
-                host = f"   host {row['host_us']:.1f} us/call" if "host_us" in row else ""
-                print(f"{str(row['shape']):>20} {fmt:>5} {name:>17} {row['us']:9.1f} us "
-                      f"{row['gbps']:7.0f} GB/s {row['pct_copy']:6.1f}% of copy{host}")
+                rows.append(dict(shape=(b, s, h, d), layout=fmt, provider=name, us=ms * 1e3,
+                                 gbps=gbytes / (ms * 1e-3), pct_copy=100 * times["copy"] / ms))
+                print(f"{str((b, s, h, d)):>20} {fmt:>5} {name:>17} {ms * 1e3:9.1f} us "
+                      f"{rows[-1]['gbps']:7.0f} GB/s {rows[-1]['pct_copy']:6.1f}% of copy")
     return rows
 
 
 def markdown_table(rows):
-    """A line per (shape, layout), a column per provider (GPU us and % of the copy's speed), and the
-    host cost of one eager call of ours."""
+    """A line per (shape, layout), a column per provider: GPU time in us and % of the copy's speed."""
     providers = list(dict.fromkeys(r["provider"] for r in rows))
-    lines = ["| shape (b, s, h, d) | layout | " + " | ".join(providers) + " | ours: host us / call |",
-             "|---|---|" + "---|" * (len(providers) + 1)]
+    lines = ["| shape (b, s, h, d) | layout | " + " | ".join(providers) + " |", "|---|---|" + "---|" * len(providers)]
     for key in dict.fromkeys((r["shape"], r["layout"]) for r in rows):
-        cells = {r["provider"]: r for r in rows if (r["shape"], r["layout"]) == key}
-        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(
-            f"{cells[p]['us']:.1f} us ({cells[p]['pct_copy']:.0f}%)" if p in cells else "n/a" for p in providers)
-            + f" | {cells['triton (ours)'].get('host_us', float('nan')):.0f} |")
+        cells = {r["provider"]: f"{r['us']:.1f} us ({r['pct_copy']:.0f}%)" for r in rows
+                 if (r["shape"], r["layout"]) == key}
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells.get(p, "n/a") for p in providers) + " |")
     return "\n".join(lines)
 
 
@@ -679,8 +639,7 @@ def save_results(rows, name, title, results_dir):
     with open(os.path.join(results_dir, name + ".md"), "w") as f:
         f.write(f"# {title}\n\n{environment()}\n\nbf16 q and k of equal shape; GPU time, the median of three "
                 f"`triton.testing.do_bench_cudagraph` medians; (x%): the speed as a fraction of a device-to-device "
-                f"copy of the same bytes, in the same run. Last column: host time of one eager call of ours. "
-                f"Raw log: `{name}.log`.\n\n{markdown_table(rows)}\n")
+                f"copy of the same bytes, in the same run. Raw log: `{name}.log`.\n\n{markdown_table(rows)}\n")
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -689,9 +689,8 @@ def _bench_layout(shape, fmt, q, k, freqs, kwargs, liger, compiled):
         for name, ms in times.items():
             row = dict(shape=shape, layout=fmt, mode=mode, provider=name, us=ms * 1e3, pct_copy=100 * base / ms,
                        gbps=gbytes * (1 if mode == "backward" else 2) / (ms * 1e-3))
-            for other in ("eager", "torch.compile"):
-                if mode == "fwd+bwd" and name == "triton (ours)" and other in times:
-                    row["x " + other] = times[other] / ms
+            if mode == "fwd+bwd" and name == "triton (ours)":
+                row.update({"x " + other: times[other] / ms for other in ("eager", "torch.compile") if other in times})
             if DEVICE.type == "cuda" and name in ("triton (ours)", "ours, via the op"):
                 row["host_us"] = _host_us_per_call(fns[name])
             rows.append(row)
