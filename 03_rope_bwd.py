@@ -65,14 +65,17 @@ def rope_freqs(max_seq_len, rotary_dim, base=10000.0, interleaved=False, device=
 
 def _token_positions(t, tensor_format, cu_seqlens, start_positions):
     """Position of every token, shaped to broadcast against t[..., 0, 0]."""
-    n_seqs = cu_seqlens.numel() - 1 if tensor_format == "thd" else t.shape[1 if tensor_format == "sbhd" else 0]
-    start = start_positions.long() if start_positions is not None else t.new_zeros(n_seqs, dtype=torch.long)
     if tensor_format == "thd":
         tokens = torch.arange(t.shape[0], device=t.device)
         seq = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
-        return tokens - cu_seqlens.long()[seq] + start[seq]
-    pos = torch.arange(t.shape[0 if tensor_format == "sbhd" else 1], device=t.device)
-    return pos[:, None] + start[None, :] if tensor_format == "sbhd" else start[:, None] + pos[None, :]
+        pos = tokens - cu_seqlens.long()[seq]
+        return pos + (start_positions.long()[seq] if start_positions is not None else 0)
+    s_dim = 0 if tensor_format == "sbhd" else 1
+    pos = torch.arange(t.shape[s_dim], device=t.device)
+    if start_positions is None:
+        return pos.view(-1, 1) if s_dim == 0 else pos.view(1, -1)
+    start = start_positions.long()
+    return pos[:, None] + start[None, :] if s_dim == 0 else start[:, None] + pos[None, :]
 
 
 def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
