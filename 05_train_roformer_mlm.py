@@ -19,7 +19,9 @@ In this tutorial, you will learn about:
   add with float atomics), DistributedDataParallel via torchrun;
 * ``--compile`` (on with a GPU): the whole model under ``torch.compile``, the nanoGPT way, with
   03's and 04's kernels opaque to Inductor; what it fuses and what it cannot, measured by kernel
-  family (``--bench --bench-profile``), against Hugging Face's model compiled;
+  family (``--bench --bench-profile``), against Hugging Face's model compiled; and dropout's mask
+  drawn by a small Triton kernel of its own, eight elements per Philox call, where Inductor's
+  dropout makes one call per element;
 * why a model trains at the pace of Python rather than the GPU, and ``--cuda-graphs`` (on with a
   GPU): the encoder's forward and backward, compiled, replayed from two CUDA graphs (and the trap
   such graphs set for gradient accumulation).
@@ -44,13 +46,16 @@ import statistics
 import sys
 import sysconfig
 import time
+from typing import List
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before 01-04 import triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (here and by 01-04)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 def load_step(filename):
@@ -67,6 +72,52 @@ def load_step(filename):
 naive_rope, rope_fwd, rope_bwd, fused = (load_step(f) for f in (
     "01_rotate_half.py", "02_rope_fwd.py", "03_rope_bwd.py", "04_rope_attention.py"))
 ATTN_PATHS = ("torch", "naive", "triton", "fused")
+
+# %%
+# Dropout: eight elements from one Philox call
+# --------------------------------------------
+# Compiled, dropout is fused into the LayerNorm kernel after it, and Inductor draws its random
+# numbers there: one Philox call (ten rounds of 32-bit multiplies) per element, of whose 128 bits
+# it keeps 32. At BERT-base's shape that is 12.6M calls per dropout, enough to make the LayerNorm
+# kernels wait on integer arithmetic rather than memory. This kernel draws the keep-mask with one
+# call per eight elements (16 bits each: p is rounded to a multiple of 1/65536), and writes it as
+# bytes, which the backward reads anyway; Inductor fuses the multiply by it as before.
+
+
+@triton.jit
+def dropout_keep_kernel(seed_ptr, keep_ptr, n, threshold, BLOCK: tl.constexpr):
+    """keep[i] = (16 random bits >= threshold); program pid writes elements [8 * BLOCK * pid, 8 * BLOCK * (pid + 1))."""
+    pid, lane = tl.program_id(0), tl.arange(0, BLOCK)
+    words = tl.randint4x(tl.load(seed_ptr), pid * BLOCK + lane)  # counters: one per lane, unique in the call
+    for j in tl.static_range(8):
+        bits = (words[j // 2] >> (16 * (j % 2))) & 0xFFFF
+        offs = (pid * 8 + j) * BLOCK + lane
+        tl.store(keep_ptr + offs, bits.to(tl.int32) >= threshold, mask=offs < n)
+
+
+@torch.library.custom_op("roformer_mlm::dropout_keep", mutates_args=())
+def dropout_keep(seed: torch.Tensor, shape: List[int], threshold: int) -> torch.Tensor:
+    """A bool mask of `shape`, True with probability 1 - threshold / 65536, from the int64 seed[0]."""
+    keep = torch.empty(shape, dtype=torch.bool, device=seed.device)
+    if keep.numel() >= 2**31:
+        raise ValueError(f"dropout over {keep.numel()} elements: int32 offsets reach 2^31")
+    dropout_keep_kernel[(triton.cdiv(keep.numel(), 8 * 1024),)](seed, keep, keep.numel(), threshold, BLOCK=1024)
+    return keep
+
+
+dropout_keep.register_fake(lambda seed, shape, threshold: seed.new_empty(shape, dtype=torch.bool))
+
+
+class Dropout(nn.Dropout):
+    """nn.Dropout with its mask from dropout_keep_kernel; the seed is drawn from PyTorch's generator,
+    so torch.manual_seed, checkpointed RNG states and CUDA graphs govern it as they do nn.Dropout."""
+
+    def forward(self, x):
+        if not self.training or self.p in (0.0, 1.0):
+            return super().forward(x)
+        threshold = round(self.p * 65536)
+        seed = torch.randint(2**62, (1,), device=x.device)
+        return x * dropout_keep(seed, list(x.shape), threshold) * (65536 / (65536 - threshold))
 
 # %%
 # The model
@@ -149,7 +200,7 @@ class AddNorm(nn.Module):
         super().__init__()
         self.dense = nn.Linear(d_in, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+        self.dropout = Dropout(cfg.hidden_dropout_prob)
 
     def forward(self, x, residual):
         return self.LayerNorm(self.dropout(self.dense(x)) + residual)
@@ -211,8 +262,11 @@ def capture_cuda_graphs(model, batch_size, seq_len, compiled=False):
     gc.collect()
     gc.disable()
     try:
-        layers = model.roformer.encoder.layer
-        encoder = _Encoder(nn.ModuleList(torch.compile(layer) for layer in layers) if compiled else layers, model.freqs)
+        encoder = _Encoder(model.roformer.encoder.layer, model.freqs)
+        # Compiled as one graph rather than layer by layer, Inductor also fuses across the layers' seams (a
+        # layer's bf16 cast of its input into the LayerNorm before it). The graphs are made of a plain module
+        # around the compiled one: handed the compiled module itself, the replays ran the layers uncompiled.
+        encoder = nn.Sequential(torch.compile(encoder)) if compiled else encoder
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):  # graphs need autocast's cache off
             replay = torch.cuda.make_graphed_callables(encoder, (sample,))
     finally:
@@ -238,7 +292,7 @@ class RoFormerForMaskedLM(nn.Module):
         e = self.roformer.embeddings = nn.Module()
         e.word_embeddings = nn.Embedding(cfg.vocab_size, emb, padding_idx=cfg.pad_token_id)
         e.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, emb)
-        e.LayerNorm, e.dropout = nn.LayerNorm(emb, eps=cfg.layer_norm_eps), nn.Dropout(cfg.hidden_dropout_prob)
+        e.LayerNorm, e.dropout = nn.LayerNorm(emb, eps=cfg.layer_norm_eps), Dropout(cfg.hidden_dropout_prob)
         if emb != cfg.hidden_size:
             self.roformer.embeddings_project = nn.Linear(emb, cfg.hidden_size)
         self.roformer.encoder = nn.Module()
@@ -857,9 +911,9 @@ def compile_model(model, device):
     code would gain nothing).
 
     What Inductor fuses here: everything between the matmuls and our kernels, the embeddings' sum,
-    LayerNorm, GELU, dropout, the residual adds, the bias gradients, the masked positions' gather
-    and the loss. It cannot touch 03's and 04's kernels (torch.library ops, called as they are) nor
-    the matmuls' insides. --bench --bench-profile shows a step's GPU time by kernel family, eager
+    LayerNorm, GELU, dropout's multiply, the residual adds, the bias gradients, the masked positions'
+    gather and the loss. It cannot touch 03's and 04's kernels and dropout's mask (torch.library ops,
+    called as they are) nor the matmuls' insides. --bench --bench-profile shows a step's GPU time by kernel family, eager
     and compiled (results/05_train_roformer_mlm_H100.md).
 
     Which to use when: compilation shrinks the GPU's work, CUDA graphs the host's. Compiled alone, a

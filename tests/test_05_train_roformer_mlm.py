@@ -122,6 +122,32 @@ def test_masking_follows_bert():
     assert train.device_mask(mask, DEVICE).equal(mask.to(DEVICE))
 
 
+def test_dropout_mask_from_one_kernel(monkeypatch):
+    """Dropout keeps 1 - p of the elements (p rounded to 1/65536), the eight 16-bit draws of one Philox
+    call independent of each other; a new mask every call, the same one after the same manual_seed,
+    eager and compiled (fullgraph); the gradient is the mask over 1 - p. Evaluation and p = 0 change
+    nothing."""
+    n = 8 * 1024 * 40 + 13  # 40 programs' worth and a partial one
+    keep = train.dropout_keep(torch.tensor([7], device=DEVICE), [n], 6554)
+    assert keep.shape == (n,) and keep.view(torch.uint8).max() <= 1
+    assert abs(keep.float().mean().item() - (1 - 6554 / 65536)) < 4e-3
+    lanes = keep[:8 * 1024].view(8, 1024)  # program 0: draw j of lane i is lanes[j, i]
+    assert all((lanes[0] == lanes[j]).float().mean() < 0.9 for j in range(1, 8))  # ~0.82 if independent
+    if ON_GPU:  # the seed drawn as eager draws it, so that compiled and eager masks agree
+        monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
+    dropout = train.Dropout(0.1)
+    compiled = torch.compile(dropout, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    x = torch.randn(4, 64, 96, device=DEVICE, requires_grad=True)
+    torch.manual_seed(0)
+    y = dropout(x)
+    assert not torch.equal(dropout(x), y)  # the next call: another mask
+    torch.manual_seed(0)
+    assert torch.equal(compiled(x), y)
+    y.backward(torch.ones_like(y))
+    assert torch.equal(x.grad, (y != 0).float() * 65536 / (65536 - 6554))
+    assert torch.equal(train.Dropout(0.0)(x), x) and torch.equal(dropout.eval()(x), x)
+
+
 def test_batches_reach_the_device_intact():
     """to_device copies through pinned memory without waiting (on a GPU): the copy must hold the
     values the batch had when it was sent, even if the host's tensor changes right after. (On the
