@@ -216,6 +216,28 @@ def test_cuda_graphs_replay_the_eager_layers(attn, compiled):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_graph_replays_draw_new_dropout_masks(compiled):
+    """Each replay of the graphed encoder draws new dropout masks, as an eager step does: the same
+    batch twice gives two losses; without dropout, one (so nothing else differs between replays)."""
+    ids = torch.randint(0, 256, (2, 32), device=DEVICE)
+    labels = torch.where(torch.rand(2, 32, device=DEVICE) < 0.3, ids, -100)
+    for p in (0.1, 0.0):
+        cfg = train.RoFormerConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                                   max_position_embeddings=64, hidden_dropout_prob=p)
+        model = train.RoFormerForMaskedLM(cfg, "fused").to(DEVICE)
+        model.roformer.embeddings.dropout.p = 0.0  # it runs outside the graphs: only theirs may vary
+        train.capture_cuda_graphs(model, 2, 32, compiled=compiled)
+        losses = []
+        for _ in range(2):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss, _ = model(ids, labels=labels)
+            loss.backward()
+            losses.append(loss.item())
+        assert (losses[0] != losses[1]) == (p > 0), (p, losses)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("flags", [["--grad-accum", "2", "--cuda-graphs"], ["--cuda-graphs", "--compile"]])
 def test_resume_with_cuda_graphs_gives_the_same_loss_curve(tmp_path, flags):
     """Graphed (with gradient accumulation), or compiled and graphed (the encoder compiled, then
