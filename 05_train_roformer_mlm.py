@@ -19,9 +19,11 @@ In this tutorial, you will learn about:
   add with float atomics), DistributedDataParallel via torchrun;
 * ``--compile`` (on with a GPU): the whole model under ``torch.compile``, the nanoGPT way, with
   03's and 04's kernels opaque to Inductor; what it fuses and what it cannot, measured by kernel
-  family (``--bench --bench-profile``), against Hugging Face's model compiled; and dropout's mask
+  family (``--bench --bench-profile``), against Hugging Face's model compiled; dropout's mask
   drawn by a small Triton kernel of its own, eight elements per Philox call, where Inductor's
-  dropout makes one call per element;
+  dropout makes one call per element; and backward kernels for the GELU and the add-and-LayerNorm
+  blocks that sum the bias and LayerNorm gradients as they make them, where Inductor reads the
+  gradients again;
 * why a model trains at the pace of Python rather than the GPU, and ``--cuda-graphs`` (on with a
   GPU): the encoder's forward and backward, compiled, replayed from two CUDA graphs (and the trap
   such graphs set for gradient accumulation).
@@ -46,7 +48,7 @@ import statistics
 import sys
 import sysconfig
 import time
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -112,12 +114,201 @@ class Dropout(nn.Dropout):
     """nn.Dropout with its mask from dropout_keep_kernel; the seed is drawn from PyTorch's generator,
     so torch.manual_seed, checkpointed RNG states and CUDA graphs govern it as they do nn.Dropout."""
 
+    def keep_and_scale(self, shape, device):
+        """(keep, scale) such that this dropout of x is x * keep * scale; keep is None when every
+        element is kept (evaluation, p = 0) or none is (p = 1: scale 0)."""
+        if not self.training or self.p == 0.0:
+            return None, 1.0
+        if self.p == 1.0:
+            return None, 0.0
+        threshold = round(self.p * 65536)
+        seed = torch.randint(2**62, (1,), device=device)
+        return dropout_keep(seed, list(shape), threshold), 65536 / (65536 - threshold)
+
     def forward(self, x):
         if not self.training or self.p in (0.0, 1.0):
             return super().forward(x)
-        threshold = round(self.p * 65536)
-        seed = torch.randint(2**62, (1,), device=x.device)
-        return x * dropout_keep(seed, list(x.shape), threshold) * (65536 / (65536 - threshold))
+        keep, scale = self.keep_and_scale(x.shape, x.device)
+        return x * keep * scale
+
+
+# %%
+# Bias gradients summed where they are made
+# -----------------------------------------
+# A Linear layer's bias gradient is its output's gradient summed over the tokens. Inductor sums it
+# in a kernel of its own, which reads that gradient again (100 MB a layer after the GELU at
+# BERT-base's shape), and it sums LayerNorm's weight and bias gradients from a workspace with two
+# more launches. Here the kernel that makes a gradient also sums its columns, per tile (GELU) or
+# per band of rows (AddNorm), into a few rows of partial sums that the caller adds up (compiled,
+# in one small Inductor kernel). Two blocks of each layer get such a backward, on every path but
+# "torch" (PyTorch as Hugging Face writes it):
+# - dense, then bias + GELU: the matmul runs without its bias; the backward writes dh and sums it;
+# - dense, then bias, dropout, the residual and LayerNorm (AddNorm): one kernel for the backward
+#   of all four, with three column sums (LayerNorm's weight and bias, the dense layer's bias).
+# Their forward passes stay PyTorch code in a torch.autograd.Function, so Inductor fuses them as
+# before. AddNorm returns its output twice, in float32 for the residual and rounded for the next
+# matmul: the two gradients then arrive apart and the kernel adds them as it reads them (one
+# output's would be summed into a float32 tensor first, 100 MB more a block). What this saves, and
+# the tiles' sweep: results/05_ab.log.
+
+
+@triton.jit
+def bias_gelu_bwd_kernel(dg_ptr, h_ptr, bias_ptr, dh_ptr, partial_ptr, n_rows, n_cols,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dh = dg * GELU'(h + bias) (the exact, erf GELU) for one [BLOCK_M, BLOCK_N] tile, and the tile's
+    column sums of dh (in float32, before dh is rounded) into row pid_m of the partial sums."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows, cols = pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    x = tl.load(h_ptr + offs, mask=ok, other=0.0).to(tl.float32) + tl.load(bias_ptr + cols, mask=cols < n_cols)[None, :]
+    dg = tl.load(dg_ptr + offs, mask=ok, other=0.0).to(tl.float32)  # 0 off the edges: so is dh
+    cdf, pdf = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476)), tl.exp(-0.5 * x * x) * 0.3989422804014327
+    dh = dg * (cdf + x * pdf)
+    tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=ok)
+    tl.store(partial_ptr + pid_m * n_cols + cols, tl.sum(dh, 0), mask=cols < n_cols)
+
+
+@triton.jit
+def add_norm_bwd_kernel(dy_ptr, dy_mm_ptr, xhat_ptr, rstd_ptr, keep_ptr, gamma_ptr, dz_ptr, da_ptr, partial_ptr,
+                        n_rows, n_cols, rows_per_program, scale, HAS_DY: tl.constexpr, HAS_DY_MM: tl.constexpr,
+                        HAS_KEEP: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """y = LayerNorm(z), z = (a + bias) * keep * scale + residual, for one band of rows, a row at a time
+    (BLOCK_N >= n_cols): dz (the residual's gradient), da = dz * keep * scale, and the band's column
+    sums of dy * xhat, dy and da. dy is the sum of the two outputs' gradients."""
+    band, cols = tl.program_id(0), tl.arange(0, BLOCK_N)
+    ok = cols < n_cols
+    gamma = tl.load(gamma_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    sum_dgamma = tl.zeros((BLOCK_N,), tl.float32)
+    sum_dbeta = tl.zeros((BLOCK_N,), tl.float32)
+    sum_dbias = tl.zeros((BLOCK_N,), tl.float32)
+    first = band * rows_per_program
+    start = first.to(tl.int64) * n_cols  # the band's first element; offsets within a band are int32
+    dy_ptr, dy_mm_ptr, xhat_ptr, keep_ptr = dy_ptr + start, dy_mm_ptr + start, xhat_ptr + start, keep_ptr + start
+    dz_ptr, da_ptr, rstd_ptr = dz_ptr + start, da_ptr + start, rstd_ptr + first
+    # the loads of the next rows are issued while this one is worked on (NUM_STAGES rows in flight)
+    for row in tl.range(0, tl.minimum(rows_per_program, n_rows - first), num_stages=NUM_STAGES):
+        offs = row * n_cols + cols
+        dy = tl.zeros((BLOCK_N,), tl.float32)
+        if HAS_DY:
+            dy += tl.load(dy_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_DY_MM:
+            dy += tl.load(dy_mm_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        xhat = tl.load(xhat_ptr + offs, mask=ok, other=0.0)
+        g = dy * gamma  # 0 past n_cols, as is xhat
+        mean_g, mean_gx = tl.sum(g, 0) / n_cols, tl.sum(g * xhat, 0) / n_cols
+        dz = (g - mean_g - xhat * mean_gx) * tl.load(rstd_ptr + row)
+        tl.store(dz_ptr + offs, dz, mask=ok)
+        da = dz * scale
+        if HAS_KEEP:
+            da = tl.where(tl.load(keep_ptr + offs, mask=ok, other=0) != 0, da, 0.0)
+        tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=ok)
+        sum_dgamma += dy * xhat
+        sum_dbeta += dy
+        sum_dbias += da  # (past n_cols: -mean_g * rstd, never stored)
+    partial = partial_ptr + band * 3 * n_cols + cols
+    tl.store(partial, sum_dgamma, mask=ok)
+    tl.store(partial + n_cols, sum_dbeta, mask=ok)
+    tl.store(partial + 2 * n_cols, sum_dbias, mask=ok)
+
+
+# Tiles from a sweep at BERT-base's shape on an H100 (results/05_ab.log). The caller sums the partial
+# sums: compiled, Inductor's reduction does it several times faster than a call of torch.sum.
+BIAS_GELU_BLOCKS = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4)
+ADD_NORM_BLOCKS = dict(bands=256, num_warps=4, NUM_STAGES=4)
+
+
+@torch.library.custom_op("roformer_mlm::bias_gelu_backward", mutates_args=())
+def bias_gelu_backward(dg: torch.Tensor, h: torch.Tensor, bias: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dh, partial sums of dh [tiles, n] in float32) of gelu(h + bias), h [..., n] and bias [n]."""
+    dg, h = dg.contiguous(), h.contiguous()
+    n_cols, cfg = h.shape[-1], BIAS_GELU_BLOCKS
+    n_rows = h.numel() // n_cols
+    dh, partial = torch.empty_like(h), h.new_empty(triton.cdiv(n_rows, cfg["BLOCK_M"]), n_cols, dtype=torch.float32)
+    bias_gelu_bwd_kernel[(partial.shape[0], triton.cdiv(n_cols, cfg["BLOCK_N"]))](
+        dg, h, bias, dh, partial, n_rows, n_cols, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        num_warps=cfg["num_warps"])
+    return dh, partial
+
+
+@bias_gelu_backward.register_fake
+def _(dg, h, bias):
+    n_cols = h.shape[-1]
+    return torch.empty_like(h), h.new_empty(triton.cdiv(h.numel() // n_cols, BIAS_GELU_BLOCKS["BLOCK_M"]), n_cols,
+                                            dtype=torch.float32)
+
+
+def _add_norm_bands(n_rows):
+    """(rows per program, programs)."""
+    rows = triton.cdiv(n_rows, ADD_NORM_BLOCKS["bands"])
+    return rows, triton.cdiv(n_rows, rows)
+
+
+@torch.library.custom_op("roformer_mlm::add_norm_backward", mutates_args=())
+def add_norm_backward(dy: Optional[torch.Tensor], dy_mm: Optional[torch.Tensor], xhat: torch.Tensor,
+                      rstd: torch.Tensor, keep: Optional[torch.Tensor], gamma: torch.Tensor, scale: float,
+                      a_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(da, dresidual, partial sums [bands, 3, n] of dgamma, dbeta and dbias in float32) of AddNormFunction."""
+    n_cols = xhat.shape[-1]
+    n_rows = xhat.numel() // n_cols
+    rows, bands = _add_norm_bands(n_rows)
+    dz, da = torch.empty_like(xhat), torch.empty(xhat.shape, dtype=a_dtype, device=xhat.device)
+    partial = xhat.new_empty(bands, 3, n_cols)
+    present = dict(HAS_DY=dy is not None, HAS_DY_MM=dy_mm is not None, HAS_KEEP=keep is not None)
+    dy, dy_mm, keep = (t.contiguous() if t is not None else xhat for t in (dy, dy_mm, keep))  # (xhat: never read)
+    add_norm_bwd_kernel[(bands,)](
+        dy, dy_mm, xhat.contiguous(), rstd.contiguous(), keep, gamma, dz, da, partial, n_rows, n_cols, rows, scale,
+        **present, BLOCK_N=triton.next_power_of_2(n_cols), NUM_STAGES=ADD_NORM_BLOCKS["NUM_STAGES"],
+        num_warps=ADD_NORM_BLOCKS["num_warps"])
+    return da, dz, partial
+
+
+@add_norm_backward.register_fake
+def _(dy, dy_mm, xhat, rstd, keep, gamma, scale, a_dtype):
+    n_cols = xhat.shape[-1]
+    return (torch.empty(xhat.shape, dtype=a_dtype, device=xhat.device), torch.empty_like(xhat),
+            xhat.new_empty(_add_norm_bands(xhat.numel() // n_cols)[1], 3, n_cols))
+
+
+class BiasGELU(torch.autograd.Function):
+    """gelu(h + bias), h a matmul's output without its bias, computed in float32 (a float32 bias) and
+    rounded to h's dtype."""
+
+    @staticmethod
+    def forward(ctx, h, bias):
+        ctx.save_for_backward(h, bias)
+        # h + bias is float32 by type promotion. (Written h.float() + bias and .to(h.dtype), no-ops on
+        # float32 h, it made torch 2.11's compiled backward (fullgraph) return zeros on the GPU.)
+        g = F.gelu(h + bias)
+        return g if g.dtype == h.dtype else g.to(h.dtype)
+
+    @staticmethod
+    def backward(ctx, dg):
+        h, bias = ctx.saved_tensors
+        dh, partial = bias_gelu_backward(dg, h, bias)
+        return dh, partial.sum(0).to(bias.dtype)
+
+
+class AddNormFunction(torch.autograd.Function):
+    """y = LayerNorm((a + bias) * keep * scale + residual), a a matmul's output without its bias;
+    returns (y, y in mm_dtype) when mm_dtype is not y's, else y."""
+
+    @staticmethod
+    def forward(ctx, a, bias, residual, keep, scale, gamma, beta, eps, mm_dtype):
+        branch = (a + bias) * scale  # float32 by type promotion (see BiasGELU)
+        z = (branch * keep if keep is not None else branch) + residual
+        y, mean, rstd = torch.native_layer_norm(z, (z.shape[-1],), gamma, beta, eps)
+        ctx.set_materialize_grads(False)  # the rounded copy of the encoder's last output is not used
+        ctx.save_for_backward((z - mean) * rstd, rstd, keep, gamma)
+        ctx.scale, ctx.a_dtype = scale, a.dtype
+        return (y, y.to(mm_dtype)) if mm_dtype != y.dtype else y
+
+    @staticmethod
+    def backward(ctx, dy, dy_mm=None):
+        xhat, rstd, keep, gamma = ctx.saved_tensors
+        da, dz, partial = add_norm_backward(dy, dy_mm, xhat, rstd, keep, gamma, ctx.scale, ctx.a_dtype)
+        dgamma, dbeta, dbias = partial.sum(0).unbind(0)
+        return da, dbias, dz, None, None, dgamma, dbeta, None, None
 
 # %%
 # The model
@@ -194,30 +385,49 @@ class RoFormerSelfAttention(nn.Module):
 
 
 class AddNorm(nn.Module):
-    """dense -> dropout -> add the residual -> LayerNorm (RoFormer's post-LN "output" blocks)."""
+    """dense -> dropout -> add the residual -> LayerNorm (RoFormer's post-LN "output" blocks). Returns
+    (y, y for the next matmul): with own_kernels and autocast, the second is y rounded (see
+    AddNormFunction), else y itself."""
 
-    def __init__(self, d_in, cfg):
+    def __init__(self, d_in, cfg, own_kernels=False):
         super().__init__()
         self.dense = nn.Linear(d_in, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = Dropout(cfg.hidden_dropout_prob)
+        self.own_kernels = own_kernels
 
     def forward(self, x, residual):
-        return self.LayerNorm(self.dropout(self.dense(x)) + residual)
+        if not self.own_kernels:
+            y = self.LayerNorm(self.dropout(self.dense(x)) + residual)
+            return y, y
+        keep, scale = self.dropout.keep_and_scale(residual.shape, residual.device)
+        device = residual.device.type
+        mm_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else residual.dtype
+        norm = self.LayerNorm
+        y = AddNormFunction.apply(F.linear(x, self.dense.weight), self.dense.bias, residual, keep, scale, norm.weight,
+                                  norm.bias, norm.eps, mm_dtype)
+        return y if isinstance(y, tuple) else (y, y)
 
 
 class RoFormerLayer(nn.Module):
     def __init__(self, cfg, attn):
         super().__init__()
+        own_kernels = attn != "torch"  # 05's backward kernels for the blocks around attention
         self.attention = nn.Module()
-        self.attention.self, self.attention.output = RoFormerSelfAttention(cfg, attn), AddNorm(cfg.hidden_size, cfg)
+        self.attention.self = RoFormerSelfAttention(cfg, attn)
+        self.attention.output = AddNorm(cfg.hidden_size, cfg, own_kernels)
         self.intermediate = nn.Module()
         self.intermediate.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.output = AddNorm(cfg.intermediate_size, cfg)
+        self.output = AddNorm(cfg.intermediate_size, cfg, own_kernels)
+        self.own_kernels = own_kernels
 
-    def forward(self, x, freqs, mask):
-        x = self.attention.output(self.attention.self(x, freqs, mask), x)
-        return self.output(F.gelu(self.intermediate.dense(x)), x)
+    def forward(self, x, freqs, mask, x_mm=None):
+        """x: the layer's input; x_mm: the same, rounded for the matmuls (AddNorm's second output), or None."""
+        x_mm = x if x_mm is None else x_mm
+        x, x_mm = self.attention.output(self.attention.self(x_mm, freqs, mask), x)
+        dense = self.intermediate.dense
+        h = BiasGELU.apply(F.linear(x_mm, dense.weight), dense.bias) if self.own_kernels else F.gelu(dense(x_mm))
+        return self.output(h, x)
 
 
 class _Encoder(nn.Module):
@@ -228,8 +438,9 @@ class _Encoder(nn.Module):
         self.layers, self.freqs = layers, freqs
 
     def forward(self, x):
+        x_mm = None
         for layer in self.layers:
-            x = layer(x, self.freqs, None)
+            x, x_mm = layer(x, self.freqs, None, x_mm)
         return x
 
 
@@ -334,8 +545,9 @@ class RoFormerForMaskedLM(nn.Module):
                 and x.dtype == dtype:
             x = _replay(replay, x)
         else:
+            x_mm = None
             for layer in self.roformer.encoder.layer:
-                x = layer(x, self.freqs, attention_mask)
+                x, x_mm = layer(x, self.freqs, attention_mask, x_mm)
         if labels is not None:
             if positions is None:
                 positions = masked_positions(labels)
@@ -911,10 +1123,10 @@ def compile_model(model, device):
     code would gain nothing).
 
     What Inductor fuses here: everything between the matmuls and our kernels, the embeddings' sum,
-    LayerNorm, GELU, dropout's multiply, the residual adds, the bias gradients, the masked positions'
-    gather and the loss. It cannot touch 03's and 04's kernels and dropout's mask (torch.library ops,
-    called as they are) nor the matmuls' insides. --bench --bench-profile shows a step's GPU time by kernel family, eager
-    and compiled (results/05_train_roformer_mlm_H100.md).
+    LayerNorm, GELU, dropout's multiply, the residual adds, the masked positions' gather and the
+    loss. It cannot touch our kernels (torch.library ops, called as they are: 03's, 04's, dropout's
+    mask and the two backward kernels above) nor the matmuls' insides. --bench --bench-profile
+    shows a step's GPU time by kernel family, eager and compiled (results/05_train_roformer_mlm_H100.md).
 
     Which to use when: compilation shrinks the GPU's work, CUDA graphs the host's. Compiled alone, a
     step still issues hundreds of kernels and every call of 03's and 04's ops from Python; the
@@ -1119,7 +1331,7 @@ def kernel_families(train_step, on_gpu=True):
             continue
         name = e.name.lower()
         family = ("matmuls" if any(w in name for w in ("gemm", "nvjet", "cutlass", "xmma", "splitk")) else
-                  "ours (01-04)" if name.startswith(("rope", "rotate")) else
+                  "ours (01-05)" if name.startswith(("rope", "rotate", "dropout_keep", "add_norm", "bias_gelu")) else
                   "attention (SDPA)" if any(w in name for w in ("flash", "fmha", "cudnn", "attention")) else
                   "Inductor's fused kernels" if name.startswith("triton_") else "other PyTorch kernels")
         n, ms = families.get(family, (0, 0.0))

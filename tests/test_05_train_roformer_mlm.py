@@ -148,6 +148,58 @@ def test_dropout_mask_from_one_kernel(monkeypatch):
     assert torch.equal(train.Dropout(0.0)(x), x) and torch.equal(dropout.eval()(x), x)
 
 
+def _reference_add_norm(a, bias, residual, keep, scale, gamma, beta, eps):
+    branch = (a.float() + bias) * scale
+    return torch.nn.functional.layer_norm((branch * keep if keep is not None else branch) + residual,
+                                          gamma.shape, gamma, beta, eps)
+
+
+@pytest.mark.parametrize("a_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_backward_kernels_with_bias_sums(a_dtype, compiled):
+    """05's two backward kernels give PyTorch's gradients, bias and LayerNorm sums included: AddNorm
+    with and without a dropout mask, with its rounded output used or not (the encoder's last), rows
+    that do not fill a band and a width that is not a power of two; bias + GELU likewise. Compiled
+    (fullgraph) too. bf16 here is the dtype of the matmul outputs the kernels read (no tl.dot: the
+    interpreter's bf16 trap does not apply)."""
+    torch._dynamo.reset()  # six variants of one function each recompile it: start from the limit's zero
+    torch.manual_seed(0)
+    rows, n = 2 * 37, 48
+    a = torch.randn(2, 37, n, device=DEVICE, dtype=a_dtype, requires_grad=True)
+    bias, beta, residual = (torch.randn(*shape, device=DEVICE, requires_grad=True) for shape in ((n,), (n,), (2, 37, n)))
+    gamma = (torch.randn(n, device=DEVICE) * 0.5 + 1).requires_grad_()
+    params = (a, bias, residual, gamma, beta)
+    mm_dtype = torch.bfloat16 if a_dtype == torch.bfloat16 else torch.float32
+    dy, dy_mm = torch.randn(2, 37, n, device=DEVICE), torch.randn(2, 37, n, device=DEVICE)
+
+    def add_norm(keep, scale, use_mm):
+        out = train.AddNormFunction.apply(a, bias, residual, keep, scale, gamma, beta, 1e-12, mm_dtype)
+        y, y_mm = out if isinstance(out, tuple) else (out, out)
+        return (y * dy).sum() + ((y_mm.float() * dy_mm).sum() if use_mm else 0)
+
+    ours = torch.compile(add_norm, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager") if compiled else add_norm
+    for keep, scale in ((torch.rand(2, 37, n, device=DEVICE) > 0.3, 1 / 0.7), (None, 1.0), (None, 0.0)):
+        for use_mm in (True, False):
+            expected = _reference_add_norm(a, bias, residual, keep, scale, gamma, beta, 1e-12)
+            loss = (expected * dy).sum() + ((expected.to(mm_dtype).float() * dy_mm).sum() if use_mm else 0)
+            want = torch.autograd.grad(loss, params)
+            got = torch.autograd.grad(ours(keep, scale, use_mm), params)
+            for name, g, w in zip(("a", "bias", "residual", "gamma", "beta"), got, want):
+                assert g.dtype == w.dtype, name
+                tol = dict(rtol=1.6e-2, atol=1e-2) if name == "a" and a_dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(g, w, **tol, msg=name)
+    h = torch.randn(rows, 3 * n + 5, device=DEVICE, dtype=a_dtype, requires_grad=True)
+    gelu_bias, dg = torch.randn(3 * n + 5, device=DEVICE, requires_grad=True), torch.randn(rows, 3 * n + 5, device=DEVICE)
+    bias_gelu = lambda: (train.BiasGELU.apply(h, gelu_bias).float() * dg).sum()  # noqa: E731
+    ours = torch.compile(bias_gelu, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager") if compiled else bias_gelu
+    want = torch.autograd.grad((torch.nn.functional.gelu(h.float() + gelu_bias).to(a_dtype).float() * dg).sum(),
+                               (h, gelu_bias))
+    got = torch.autograd.grad(ours(), (h, gelu_bias))
+    tol = dict(rtol=1.6e-2, atol=1e-2) if a_dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[0], want[0], **tol)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-3)
+
+
 def test_batches_reach_the_device_intact():
     """to_device copies through pinned memory without waiting (on a GPU): the copy must hold the
     values the batch had when it was sent, even if the host's tensor changes right after. (On the
