@@ -479,8 +479,8 @@ def test_bench_profile_under_ddp(tmp_path):
 def test_compare_two_paths_from_the_same_seed(tmp_path, capsys):
     curves = train.main(["--compare", "torch,triton", "--out", str(tmp_path), "--max-steps", "2"] + TINY)
     assert set(curves) == {"torch", "triton"} and len(curves["torch"]) == 2
-    for step, loss in curves["torch"].items():  # fp32 on the CPU: the same up to rounding
-        assert abs(loss - curves["triton"][step]) < 1e-4
+    for step, loss in curves["torch"].items():  # the same up to rounding: fp32 on the CPU, bf16 on a GPU
+        assert abs(loss - curves["triton"][step]) < (1e-3 if ON_GPU else 1e-4)
     assert "largest difference" in capsys.readouterr().out
 
 
