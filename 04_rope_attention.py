@@ -9,7 +9,8 @@ In this tutorial, you will learn about:
 * a rotated layout (the halves of each pair side by side, zero-padded) in which every loop loads
   one whole tile per step and computes QK^T as one dot;
 * the backward in the rotated basis, rotated back once as dk and dq are stored (exact: RoPE is
-  linear and acts on each row alone); dq by float32 atomics or by a second, fixed-order kernel;
+  linear and acts on each row alone); dq by a second kernel that loops the other way, in a fixed
+  order, rather than by FlashAttention 2's float32 atomics;
 * online softmax with key-padding and causal masks, grouped-query attention, odd lengths, head
   dims that are not powers of two, partial rotary, both pairings, packed qkv;
 * programmatic dependent launch (Hopper), and opaque ``torch.library.custom_op``s that
@@ -109,7 +110,8 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # - Here: a pass rotates K once (2U) and writes cos and sin once per position into a float32 table
 #   [s, 4 * HALF] that the other kernels read; the forward rotates its q tile in the prologue and,
 #   when a backward will run, saves it (1U); attention reads 4U. The backward reads the saved rq
-#   and rk and rotates dk and dq back as they are stored: 7U + 8U, every loop plain FlashAttention.
+#   and rk and rotates dk and dq back as they are stored: 7U + 8U, every loop plain FlashAttention
+#   (its dq kernel reads rq, rk, v and dO a second time: 4U more).
 # What did not help (results/04_rope_attention_ab.log, an H100 and an H200):
 # - rotating each K tile inside the loops, with no pass: the forward is 3-14% faster up to
 #   s = 1024, 10-20% slower from 2048, and forward + backward slower everywhere (1-15%);
@@ -133,15 +135,17 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # and depends only on its position, so dq = R^T d(Rq) row by row (the sines trade halves and
 # change sign), applied once per finished tile.
 # One program per block of keys loops over the query tiles: it recomputes P^T = exp(S^T - lse) and
-# dP^T = V dO^T, accumulates dV += P^T dO and d(Rk) += dS^T Rq in registers, and adds dS Rk into a
-# float32 d(Rq) sum with atomics, as FlashAttention 2 does; the pass rotates the sum back. Atomics
-# add in no fixed order (dq's last bits vary between runs). The other route is a second kernel that
-# loops the other way, over the keys of each query block, recomputing P and dP (7 matmuls per tile
-# pair instead of 5) and summing in a fixed order: it runs under
-# torch.use_deterministic_algorithms(True), and by default where it measured 2-10% faster forward +
-# backward, at d > 64 without a causal mask (results/04_rope_attention_ab.log).
-# One launch per block of keys would also fix the atomics' order, but leaves too few programs per
-# launch: 25-42% slower forward + backward, 3x at (2, 16, 8192, 64).
+# dP^T = V dO^T, and accumulates dV += P^T dO and d(Rk) += dS^T Rq in registers. A second kernel,
+# one program per block of queries, loops over the keys, recomputes P and dP, and accumulates
+# d(Rq) += dS Rk: 7 matmuls per pair of tiles instead of 5, every sum in a fixed order (the same
+# bits on every run), and dq written once, rotated back, in its own dtype.
+# FlashAttention 2 computes d(Rq) in the first kernel instead, adding each block's share into a
+# float32 sum with atomics (zeroed first, then rotated back and rounded by a pass): 5 matmuls, but a
+# float32 sum as large as q is written, added to and read back. That route measured slower at every
+# benchmark shape on an H100 and an H200 (results/04_rope_attention_ab.log): forward + backward
+# 1.4-16% at d = 64 (433 against 380 us at BERT-base's shape on an H100) and 1.6-1.8% at d = 128
+# with a causal mask. One launch per block of keys, which would fix the atomics' order, leaves too
+# few programs per launch (25-42% slower forward + backward).
 #
 # Programmatic dependent launch (Hopper on) lets a kernel's programs start while the one before it
 # drains its last wave; each waits (gdc_wait) before it reads what that kernel wrote, or writes
@@ -236,15 +240,13 @@ def _per_head(t, HEADS: tl.constexpr):
 
 
 @triton.jit
-def rope_pass_kernel(x_ptr, y_ptr, freqs_ptr, trig_ptr, scale, seqlen, n_heads, half, n_pass,
+def rope_pass_kernel(x_ptr, y_ptr, freqs_ptr, trig_ptr, seqlen, n_heads, half, n_pass,
                      stride_xb, stride_xs, stride_xh, stride_xd, stride_yb, stride_ys, stride_yh, stride_yd,
                      stride_fs, stride_fd, BLOCK_S: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr,
-                     PASS: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, TO_ROTATED: tl.constexpr,
-                     PDL: tl.constexpr):
-    """BLOCK_S positions x HEADS heads of one sequence, one tile of BLOCK_S * HEADS rows. TO_ROTATED:
-    y = R x, from x's own layout into the rotated one (k to rk), with cos and sin taken once per
-    position; the programs of sequence 0 write them to the table the other kernels read. Else
-    y = scale * R^T x, from the rotated layout back (the float32 dq sum to dq)."""
+                     PASS: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, PDL: tl.constexpr):
+    """BLOCK_S positions x HEADS heads of one sequence, one tile of BLOCK_S * HEADS rows: y = R x, from
+    x's own layout into the rotated one (k to rk), with cos and sin taken once per position; the
+    programs of sequence 0 write them to the table the other kernels read."""
     _after_previous_kernel(PDL)
     pid_s, b, pid_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     r = tl.arange(0, BLOCK_S * HEADS)
@@ -253,31 +255,24 @@ def rope_pass_kernel(x_ptr, y_ptr, freqs_ptr, trig_ptr, scale, seqlen, n_heads, 
     i, c = tl.arange(0, HALF)[None, :], tl.arange(0, PASS)[None, :]
     x_rows = x_ptr + b * stride_xb + pos[:, None] * stride_xs + head[:, None] * stride_xh
     y_rows = y_ptr + b * stride_yb + pos[:, None] * stride_ys + head[:, None] * stride_yh
-    if TO_ROTATED:
-        pos_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-        ok_s = (pos_s < seqlen)[:, None]
-        f_a, f_b = _load_pairs(freqs_ptr + pos_s[:, None] * stride_fs, stride_fd, ok_s, half, HALF, INTERLEAVED)
-        cos_a, sin_a, cos_b, sin_b = tl.cos(f_a), tl.sin(f_a), tl.cos(f_b), tl.sin(f_b)
-        if (b == 0) & (pid_h == 0):
-            table = trig_ptr + pos_s[:, None] * (4 * HALF) + i
-            tl.store(table, cos_a, mask=ok_s)
-            tl.store(table + HALF, sin_a, mask=ok_s)
-            tl.store(table + 2 * HALF, cos_b, mask=ok_s)
-            tl.store(table + 3 * HALF, sin_b, mask=ok_s)
-        x_a, x_b = _load_pairs(x_rows, stride_xd, ok, half, HALF, INTERLEAVED)
-        y_a, y_b = _rotate(x_a, x_b, _per_head(cos_a, HEADS), _per_head(sin_a, HEADS), _per_head(cos_b, HEADS),
-                           _per_head(sin_b, HEADS))
-        tl.store(y_rows + i * stride_yd, y_a.to(y_ptr.dtype.element_ty), mask=ok)  # all lanes: pads are 0
-        tl.store(y_rows + (HALF + i) * stride_yd, y_b.to(y_ptr.dtype.element_ty), mask=ok)
-        if HAS_PASS:
-            x_p = tl.load(x_rows + (2 * half + c) * stride_xd, mask=ok & (c < n_pass), other=0.0)
-            tl.store(y_rows + (2 * HALF + c) * stride_yd, x_p, mask=ok & (c < n_pass))
-    else:
-        cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, pos, ok, HALF)
-        g_r = tl.load(x_rows + tl.arange(0, 2 * HALF)[None, :] * stride_xd, mask=ok, other=0.0) * scale
-        g_p = tl.load(x_rows + (2 * HALF + c) * stride_xd, mask=ok & (c < n_pass), other=0.0) * scale
-        _store_gradient(y_rows, stride_yd, ok, g_r, g_p, cos_a, sin_a, cos_b, sin_b, half, n_pass, HALF, PASS,
-                        INTERLEAVED, HAS_PASS)
+    pos_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    ok_s = (pos_s < seqlen)[:, None]
+    f_a, f_b = _load_pairs(freqs_ptr + pos_s[:, None] * stride_fs, stride_fd, ok_s, half, HALF, INTERLEAVED)
+    cos_a, sin_a, cos_b, sin_b = tl.cos(f_a), tl.sin(f_a), tl.cos(f_b), tl.sin(f_b)
+    if (b == 0) & (pid_h == 0):
+        table = trig_ptr + pos_s[:, None] * (4 * HALF) + i
+        tl.store(table, cos_a, mask=ok_s)
+        tl.store(table + HALF, sin_a, mask=ok_s)
+        tl.store(table + 2 * HALF, cos_b, mask=ok_s)
+        tl.store(table + 3 * HALF, sin_b, mask=ok_s)
+    x_a, x_b = _load_pairs(x_rows, stride_xd, ok, half, HALF, INTERLEAVED)
+    y_a, y_b = _rotate(x_a, x_b, _per_head(cos_a, HEADS), _per_head(sin_a, HEADS), _per_head(cos_b, HEADS),
+                       _per_head(sin_b, HEADS))
+    tl.store(y_rows + i * stride_yd, y_a.to(y_ptr.dtype.element_ty), mask=ok)  # all lanes: pads are 0
+    tl.store(y_rows + (HALF + i) * stride_yd, y_b.to(y_ptr.dtype.element_ty), mask=ok)
+    if HAS_PASS:
+        x_p = tl.load(x_rows + (2 * half + c) * stride_xd, mask=ok & (c < n_pass), other=0.0)
+        tl.store(y_rows + (2 * HALF + c) * stride_yd, x_p, mask=ok & (c < n_pass))
 
 
 @triton.jit
@@ -377,13 +372,10 @@ def rope_attn_fwd_kernel(
 
 
 @triton.jit
-def rope_attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, dq_acc_ptr, seqlen, n_heads, head_dim,
+def rope_attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, seqlen, n_heads, head_dim,
                                stride_ob, stride_os, stride_oh, stride_od, stride_db, stride_ds, stride_dh, stride_dd,
-                               BLOCK_M: tl.constexpr, D: tl.constexpr, W: tl.constexpr, W_TILE: tl.constexpr,
-                               ZERO_DQ: tl.constexpr, PDL: tl.constexpr):
-    """delta = rowsum(dO * O): the softmax backward's dP correction, one value per query row; with
-    ZERO_DQ, also zero these rows of the float32 dq buffer [b, h, s, W] the dkdv kernel adds into
-    (here, where the rows are visited anyway, rather than by a memset: one launch fewer)."""
+                               BLOCK_M: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+    """delta = rowsum(dO * O): the softmax backward's dP correction, one value per query row."""
     _after_previous_kernel(PDL)
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
@@ -393,48 +385,40 @@ def rope_attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, dq_acc_ptr, seqlen, n_h
     rows = offs_m.to(tl.int64)[:, None]
     o = tl.load(o_ptr + b * stride_ob + h * stride_oh + rows * stride_os + d * stride_od, mask=mask, other=0.0)
     do = tl.load(do_ptr + b * stride_db + h * stride_dh + rows * stride_ds + d * stride_dd, mask=mask, other=0.0)
-    row_stats = bh.to(tl.int64) * seqlen + offs_m
-    tl.store(delta_ptr + row_stats, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < seqlen)
-    if ZERO_DQ:
-        j = tl.arange(0, W_TILE)[None, :]
-        tl.store(dq_acc_ptr + row_stats[:, None] * W + j, tl.zeros((BLOCK_M, W_TILE), tl.float32),
-                 mask=(offs_m < seqlen)[:, None] & (j < W))
+    tl.store(delta_ptr + bh.to(tl.int64) * seqlen + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1),
+             mask=offs_m < seqlen)
 
 
 @triton.jit
 def rope_attn_bwd_dkdv_kernel(
-    rq_ptr, rk_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, dq_acc_ptr, lse_ptr, delta_ptr, trig_ptr, key_mask_ptr,
+    rq_ptr, rk_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, trig_ptr, key_mask_ptr,
     qk_scale, seqlen, n_heads, group, half, n_pass,
     stride_vb, stride_vs, stride_vh, stride_vd, stride_db, stride_ds, stride_dh, stride_dd,
     stride_dkb, stride_dks, stride_dkh, stride_dkd, stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     W: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, WIDE: tl.constexpr,
-    PDL: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One block of keys of one k/v head: dK and dV, summed over the q heads of its group; with
-    ATOMIC_DQ, also this block's share of d(Rq), added into the float32 buffer [b, h, s, W] (rotated
-    layout) that every key block of the head adds to."""
+    """One block of keys of one k/v head: dK and dV, summed over the q heads of its group."""
     pid_n, bhk = tl.program_id(0), tl.program_id(1)
     n_kv_heads = n_heads // group
     b, hk = (bhk // n_kv_heads).to(tl.int64), (bhk % n_kv_heads).to(tl.int64)
     offs_n = _positions(pid_n * BLOCK_N, BLOCK_N, WIDE)
     n_ok = (offs_n < seqlen)[:, None]
-    j, c, d = tl.arange(0, 2 * HALF)[None, :], tl.arange(0, PASS)[None, :], tl.arange(0, D)[None, :]
+    c, d = tl.arange(0, PASS)[None, :], tl.arange(0, D)[None, :]
     head_dim = 2 * half + n_pass
     k_rows = rk_ptr + bhk.to(tl.int64) * seqlen * W + offs_n[:, None] * W
-    k_r = tl.load(k_rows + j, mask=n_ok, other=0.0)
+    k_r = tl.load(k_rows + tl.arange(0, 2 * HALF)[None, :], mask=n_ok, other=0.0)
     k_p = tl.load(k_rows + 2 * HALF + c, mask=n_ok & (c < n_pass), other=0.0)  # (all zeros without HAS_PASS)
     v = tl.load(v_ptr + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + d * stride_vd,
                 mask=n_ok & (d < head_dim), other=0.0)
     dk_r = tl.zeros((BLOCK_N, 2 * HALF), tl.float32)
     dk_p = tl.zeros((BLOCK_N, PASS), tl.float32)
     dv = tl.zeros((BLOCK_N, D), tl.float32)
-    _after_previous_kernel(PDL)  # delta, and the zeroed dq sum
+    _after_previous_kernel(PDL)  # delta
     start = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0  # causal: earlier queries cannot see these keys
     for g in range(group):
         bh = b * n_heads + hk * group + g
-        dq_head = dq_acc_ptr + bh * seqlen * W
         do_head = do_ptr + b * stride_db + (hk * group + g) * stride_dh
         for start_m in range(start, seqlen, BLOCK_M):
             offs_m = _positions(start_m, BLOCK_M, WIDE)
@@ -451,11 +435,6 @@ def rope_attn_bwd_dkdv_kernel(
             dp_t = tl.dot(v, tl.trans(do))
             delta = _load(delta_ptr + bh * seqlen + offs_m, offs_m < seqlen, 0.0, EVEN_M)
             ds_t = (p_t * (dp_t - delta[None, :])).to(q_r.dtype)
-            if ATOMIC_DQ:
-                ds, dq_rows = tl.trans(ds_t), dq_head + offs_m[:, None] * W
-                tl.atomic_add(dq_rows + j, tl.dot(ds, k_r), mask=m_ok & (j < 2 * HALF), sem="relaxed")
-                if HAS_PASS:
-                    tl.atomic_add(dq_rows + 2 * HALF + c, tl.dot(ds, k_p), mask=m_ok & (c < n_pass), sem="relaxed")
             dk_r = tl.dot(ds_t, q_r, dk_r)
             if HAS_PASS:
                 dk_p = tl.dot(ds_t, q_p, dk_p)
@@ -477,9 +456,10 @@ def rope_attn_bwd_dq_kernel(
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     W: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One block of queries of one q head: dQ, summed over the keys it sees in a fixed order."""
+    _after_previous_kernel(PDL)
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
     offs_m = _positions(pid_m * BLOCK_M, BLOCK_M, WIDE)
@@ -519,28 +499,32 @@ def rope_attn_bwd_dq_kernel(
 # %%
 # Launching the kernels
 # ---------------------
-# Tile configs (BLOCK_M, BLOCK_N, warps, stages) per kernel and shape class, from a per-shape sweep
-# on an H100 (results/04_rope_attention_sweep.log): at d = 64 short sequences want small query
-# blocks (more programs to fill the GPU), longer ones 128 x 128; at d = 128 causality favours the
-# smaller tiles. "dq" is the fixed-order route for dq. The interpreter runs 32 x 32 tiles.
+# Tile configs (BLOCK_M, BLOCK_N, warps, stages) per kernel and shape class, from per-shape sweeps
+# on an H100 (results/04_rope_attention_sweep.log; the backward's, results/04_rope_attention_ab.log):
+# at d = 64 short sequences want small query blocks in the forward (more programs to fill the GPU),
+# longer ones 128 x 128; at d = 128 causality favours the smaller tiles; at d = 64 the dq kernel
+# wants 4 warps with a padding mask, 8 without. The interpreter runs 32 x 32 tiles.
 CONFIGS = {
     ("fwd", "d<=64, s<=1024"): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
     ("fwd", "d<=64, s>1024"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3),
     ("fwd", "d>64, causal"): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     ("fwd", "d>64"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
-    ("dkdv", "d<=64"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+    ("dkdv", "d<=64"): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     ("dkdv", "d>64"): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
-    ("dq", "d<=64"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("dq", "d<=64"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    ("dq", "d<=64, mask"): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     ("dq", "d>64"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
 }
 PASS_CONFIG = dict(ROWS=64, num_warps=4)  # rows (positions x heads) per program of the rotation pass
 INT32_LIMIT = 2**31  # offsets within a head that could reach this are int64 (WIDE); a test lowers it
 
 
-def _config(kernel, head_dim, seqlen=0, causal=False):
+def _config(kernel, head_dim, seqlen=0, causal=False, masked=False):
     shape = "d<=64" if head_dim <= 64 else "d>64"
     if kernel == "fwd":
         shape += (", s<=1024" if seqlen <= 1024 else ", s>1024") if head_dim <= 64 else (", causal" if causal else "")
+    elif kernel == "dq" and head_dim <= 64 and masked:
+        shape += ", mask"
     config = dict(CONFIGS[(kernel, shape)])
     return config if DEVICE.type == "cuda" else dict(config, BLOCK_M=32, BLOCK_N=32, num_warps=4)
 
@@ -567,7 +551,7 @@ def _dims(q, k, rot_dim, tensor_format):
 
 def _strides(tensor_format, *tensors):
     """The tensors' strides in (b, s, h, d) order, one after the other; "rotated" is the [b, h, s, W]
-    layout of rq, rk and the dq sum."""
+    layout of rq and rk."""
     order = {"sbhd": (1, 0, 2, 3), "rotated": (0, 2, 1, 3)}.get(tensor_format, (0, 1, 2, 3))
     return [x.stride(i) for x in tensors for i in order]
 
@@ -587,17 +571,16 @@ def _constexprs(dims, causal, interleaved, key_mask, tensor_format, *tensors):
                 EVEN_D=dims["D"] == dims["head_dim"], WIDE=_wide(dims, tensor_format, *tensors))
 
 
-def _rope_pass(x, y, freqs, trig, scale, dims, interleaved, tensor_format, to_rotated, pdl):
-    """k -> rk and the cos/sin table (to_rotated; freqs read), or the float32 dq sum -> dq (scale * R^T)."""
-    x_format, y_format = (tensor_format, "rotated") if to_rotated else ("rotated", tensor_format)
-    n_heads = y.shape[1] if to_rotated else x.shape[1]
+def _rope_pass(k, rk, freqs, trig, dims, interleaved, tensor_format, pdl):
+    """k -> rk (the rotated layout), and the cos/sin table."""
+    n_heads = rk.shape[1]
     heads = min(_pow2(n_heads, 1), PASS_CONFIG["ROWS"])
     rope_pass_kernel[(triton.cdiv(dims["seqlen"], PASS_CONFIG["ROWS"] // heads), dims["batch"],
                       triton.cdiv(n_heads, heads))](
-        x, y, freqs, trig, scale, dims["seqlen"], n_heads, dims["half"], dims["n_pass"], *_strides(x_format, x),
-        *_strides(y_format, y), freqs.stride(0), freqs.stride(-1), BLOCK_S=PASS_CONFIG["ROWS"] // heads, HEADS=heads,
-        HALF=dims["HALF"], PASS=dims["PASS"], INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0,
-        TO_ROTATED=to_rotated, PDL=pdl, num_warps=PASS_CONFIG["num_warps"], launch_pdl=pdl)
+        k, rk, freqs, trig, dims["seqlen"], n_heads, dims["half"], dims["n_pass"], *_strides(tensor_format, k),
+        *_strides("rotated", rk), freqs.stride(0), freqs.stride(-1), BLOCK_S=PASS_CONFIG["ROWS"] // heads, HEADS=heads,
+        HALF=dims["HALF"], PASS=dims["PASS"], INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0, PDL=pdl,
+        num_warps=PASS_CONFIG["num_warps"], launch_pdl=pdl)
 
 
 def _forward_outputs(q, k, freqs, tensor_format, save_rotated):
@@ -614,7 +597,7 @@ def _forward(q, k, v, freqs, key_mask, sm_scale, causal, interleaved, tensor_for
     dims, pdl = _dims(q, k, freqs.shape[3], tensor_format), _pdl(q.device)
     s, h = dims["seqlen"], dims["n_heads"]
     o, lse, rq, rk, trig = _forward_outputs(q, k, freqs, tensor_format, save_rotated)
-    _rope_pass(k, rk, freqs, trig, 1.0, dims, interleaved, tensor_format, True, pdl)
+    _rope_pass(k, rk, freqs, trig, dims, interleaved, tensor_format, pdl)
     cfg = _config("fwd", dims["head_dim"], s, causal)
     rope_attn_fwd_kernel[(triton.cdiv(s, cfg["BLOCK_M"]), dims["batch"] * h)](
         q, rk, v, o, lse, rq, trig, key_mask if key_mask is not None else lse, sm_scale * LOG2E, s, h,
@@ -627,29 +610,22 @@ def _forward(q, k, v, freqs, key_mask, sm_scale, causal, interleaved, tensor_for
 def _backward(do, rq, rk, v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, tensor_format, dq, dk, dv):
     """Write the gradients into dq, dk and dv (any strides: views of one tensor work)."""
     dims, pdl = _dims(dq, dk, rot_dim, tensor_format), _pdl(do.device)
-    b, s, h, w = dims["batch"], dims["seqlen"], dims["n_heads"], dims["W"]
+    b, s, h = dims["batch"], dims["seqlen"], dims["n_heads"]
     common = _constexprs(dims, causal, interleaved, key_mask, tensor_format, v, do, dq, dk, dv)
     scalars = (sm_scale * LOG2E, s, h, h // dims["n_kv_heads"], dims["half"], dims["n_pass"])
-    key_mask = key_mask if key_mask is not None else lse  # (unused without HAS_MASK)
-    # else the dq kernel, a fixed order of sums: deterministic, and faster at d > 64 without a causal mask
-    atomic_dq = not (torch.are_deterministic_algorithms_enabled() or (dims["head_dim"] > 64 and not causal))
-    dq_sum = torch.empty(b, h, s, w, device=dq.device, dtype=torch.float32) if atomic_dq else lse
+    masked, key_mask = key_mask is not None, key_mask if key_mask is not None else lse  # (unused without HAS_MASK)
     delta = torch.empty_like(lse)
     rope_attn_bwd_delta_kernel[(triton.cdiv(s, 64), b * h)](
-        o, do, delta, dq_sum, s, h, dims["head_dim"], *_strides(tensor_format, o, do), BLOCK_M=64, D=dims["D"], W=w,
-        W_TILE=_pow2(w, 16), ZERO_DQ=atomic_dq, PDL=pdl, launch_pdl=pdl)
+        o, do, delta, s, h, dims["head_dim"], *_strides(tensor_format, o, do), BLOCK_M=64, D=dims["D"], PDL=pdl,
+        launch_pdl=pdl)
     cfg = _config("dkdv", dims["head_dim"])
     rope_attn_bwd_dkdv_kernel[(triton.cdiv(s, cfg["BLOCK_N"]), b * dims["n_kv_heads"])](
-        rq, rk, v, do, dk, dv, dq_sum, lse, delta, trig, key_mask, *scalars, *_strides(tensor_format, v, do, dk, dv),
-        EVEN_M=s % cfg["BLOCK_M"] == 0, EVEN_N=s % cfg["BLOCK_N"] == 0, ATOMIC_DQ=atomic_dq, PDL=pdl,
-        launch_pdl=pdl, **common, **cfg)
-    if atomic_dq:
-        _rope_pass(dq_sum, dq, trig, trig, sm_scale, dims, interleaved, tensor_format, False, pdl)
-        return
-    cfg = _config("dq", dims["head_dim"])
+        rq, rk, v, do, dk, dv, lse, delta, trig, key_mask, *scalars, *_strides(tensor_format, v, do, dk, dv),
+        EVEN_M=s % cfg["BLOCK_M"] == 0, EVEN_N=s % cfg["BLOCK_N"] == 0, PDL=pdl, launch_pdl=pdl, **common, **cfg)
+    cfg = _config("dq", dims["head_dim"], masked=masked)
     rope_attn_bwd_dq_kernel[(triton.cdiv(s, cfg["BLOCK_M"]), b * h)](
         rq, rk, v, do, dq, lse, delta, trig, key_mask, *scalars, *_strides(tensor_format, v, do, dq),
-        EVEN_N=s % cfg["BLOCK_N"] == 0, **common, **cfg)
+        EVEN_N=s % cfg["BLOCK_N"] == 0, PDL=pdl, launch_pdl=pdl, **common, **cfg)
 
 # %%
 # The operators
@@ -807,8 +783,8 @@ def rope_attention(q, k, v, freqs, *, causal=False, attention_mask=None, sm_scal
     attention_mask: bool or integer [b, s], 1 (nonzero) = a real token, 0 = padding (Hugging Face's
         convention); padded keys are never attended to. A query that sees no key returns zeros.
     sm_scale: softmax scale, positive, 1/sqrt(d) by default. interleaved: rotate pairs (RoFormer, GPT-J).
-    Returns the output [like q], in q's layout and dtype. At d <= 64 or causal, dq is summed with float32
-    atomics (its last bits can vary between runs) unless torch.use_deterministic_algorithms(True) is on.
+    Returns the output [like q], in q's layout and dtype. The gradients are deterministic: every sum
+    runs in a fixed order, so a call gives the same bits every time.
     """
     return _attention([q, k, v], q, k, v, freqs, causal, attention_mask, sm_scale, interleaved, tensor_format)
 

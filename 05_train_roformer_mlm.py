@@ -15,8 +15,8 @@ In this tutorial, you will learn about:
 * a nanoGPT-style loop: AdamW, warmup then linear decay, gradient accumulation and clipping, bf16
   autocast, durable checkpoints (fsync, the previous one kept, loaded with ``weights_only=True``)
   and an exact ``--resume`` (bit for bit; on a GPU, under
-  torch.use_deterministic_algorithms(True), since 04's dq and PyTorch's index backward otherwise
-  add with float atomics), DistributedDataParallel via torchrun;
+  torch.use_deterministic_algorithms(True), since PyTorch's index backward otherwise adds with
+  float atomics), DistributedDataParallel via torchrun;
 * ``--compile`` (on with a GPU): the whole model under ``torch.compile``, the nanoGPT way, with
   03's and 04's kernels opaque to Inductor; what it fuses and what it cannot, measured by kernel
   family (``--bench --bench-profile``), against Hugging Face's model compiled; dropout's mask
@@ -218,24 +218,26 @@ BIAS_GELU_BLOCKS = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4)
 ADD_NORM_BLOCKS = dict(bands=256, num_warps=4, NUM_STAGES=4)
 
 
+def _bias_gelu_outputs(h):
+    """Empty (dh, partial sums [row tiles, n] in float32)."""
+    n_cols = h.shape[-1]
+    return (torch.empty(h.shape, dtype=h.dtype, device=h.device),
+            h.new_empty(triton.cdiv(h.numel() // n_cols, BIAS_GELU_BLOCKS["BLOCK_M"]), n_cols, dtype=torch.float32))
+
+
 @torch.library.custom_op("roformer_mlm::bias_gelu_backward", mutates_args=())
 def bias_gelu_backward(dg: torch.Tensor, h: torch.Tensor, bias: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(dh, partial sums of dh [tiles, n] in float32) of gelu(h + bias), h [..., n] and bias [n]."""
+    """(dh, partial sums of dh [row tiles, n] in float32) of gelu(h + bias), h [..., n] and bias [n]."""
     dg, h = dg.contiguous(), h.contiguous()
+    dh, partial = _bias_gelu_outputs(h)
     n_cols, cfg = h.shape[-1], BIAS_GELU_BLOCKS
-    n_rows = h.numel() // n_cols
-    dh, partial = torch.empty_like(h), h.new_empty(triton.cdiv(n_rows, cfg["BLOCK_M"]), n_cols, dtype=torch.float32)
     bias_gelu_bwd_kernel[(partial.shape[0], triton.cdiv(n_cols, cfg["BLOCK_N"]))](
-        dg, h, bias, dh, partial, n_rows, n_cols, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        dg, h, bias, dh, partial, h.numel() // n_cols, n_cols, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         num_warps=cfg["num_warps"])
     return dh, partial
 
 
-@bias_gelu_backward.register_fake
-def _(dg, h, bias):
-    n_cols = h.shape[-1]
-    return torch.empty_like(h), h.new_empty(triton.cdiv(h.numel() // n_cols, BIAS_GELU_BLOCKS["BLOCK_M"]), n_cols,
-                                            dtype=torch.float32)
+bias_gelu_backward.register_fake(lambda dg, h, bias: _bias_gelu_outputs(h))
 
 
 def _add_norm_bands(n_rows):
@@ -252,7 +254,7 @@ def add_norm_backward(dy: Optional[torch.Tensor], dy_mm: Optional[torch.Tensor],
     n_cols = xhat.shape[-1]
     n_rows = xhat.numel() // n_cols
     rows, bands = _add_norm_bands(n_rows)
-    dz, da = torch.empty_like(xhat), torch.empty(xhat.shape, dtype=a_dtype, device=xhat.device)
+    dz, da = (torch.empty(xhat.shape, dtype=dtype, device=xhat.device) for dtype in (xhat.dtype, a_dtype))
     partial = xhat.new_empty(bands, 3, n_cols)
     present = dict(HAS_DY=dy is not None, HAS_DY_MM=dy_mm is not None, HAS_KEEP=keep is not None)
     dy, dy_mm, keep = (t.contiguous() if t is not None else xhat for t in (dy, dy_mm, keep))  # (xhat: never read)
@@ -309,6 +311,7 @@ class AddNormFunction(torch.autograd.Function):
         da, dz, partial = add_norm_backward(dy, dy_mm, xhat, rstd, keep, gamma, ctx.scale, ctx.a_dtype)
         dgamma, dbeta, dbias = partial.sum(0).unbind(0)
         return da, dbias, dz, None, None, dgamma, dbeta, None, None
+
 
 # %%
 # The model
@@ -457,8 +460,7 @@ def capture_cuda_graphs(model, batch_size, seq_len, compiled=False):
     costs the host microseconds, and every call of 03's and 04's kernels more (argument checks,
     Triton's launcher): a small model waits for the host, and a replay issues the encoder's hundreds
     of kernels in one call. Graphs keep the shapes they were captured with: batches with padding,
-    evaluation and other shapes run the layers as usual, on the same weights.
-    (Whether dq is summed with atomics is fixed at capture, by torch.use_deterministic_algorithms.)"""
+    evaluation and other shapes run the layers as usual, on the same weights."""
     shape, dtype = (batch_size, seq_len, model.cfg.hidden_size), torch.float32  # a LayerNorm's output under autocast
     rng = torch.cuda.get_rng_state()
     sample = torch.zeros(shape, device=model.freqs.device, dtype=dtype, requires_grad=True)

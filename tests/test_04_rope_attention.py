@@ -5,12 +5,11 @@ mode) against eager, and torch.library.opcheck of the two operators; memory; err
 
 On the CPU the interpreter runs fp16 only: Triton 3.9's interpreter computes bf16 tl.dot wrongly,
 so bf16 is tested on the GPU."""
-import contextlib
 
 import pytest
 import torch
 
-from conftest import DEVICE, ON_GPU, all_pairs, deterministic_algorithms, load
+from conftest import DEVICE, ON_GPU, all_pairs, load
 
 attn = load("04_rope_attention.py")
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
@@ -114,8 +113,8 @@ def test_gqa_layouts_strides_dtypes(h, h_kv, tensor_format, dtype):
           attention_mask=mask, interleaved=True, tensor_format=tensor_format, sm_scale=0.3)
 
 
-@pytest.mark.parametrize("d, interleaved, deterministic", all_pairs([32, 64, 128], [False, True], [False, True]))
-def test_whole_blocks(d, interleaved, deterministic):
+@pytest.mark.parametrize("d, interleaved", all_pairs([32, 64, 128], [False, True]))
+def test_whole_blocks(d, interleaved):
     """A length that is a whole number of every kernel's blocks, all channels rotated, a power-of-two
     head dim: the inner loops load their tiles with no mask (EVEN_M, EVEN_N, EVEN_D)."""
     torch.manual_seed(d)
@@ -123,51 +122,29 @@ def test_whole_blocks(d, interleaved, deterministic):
     blocks = [attn._config(kernel, d, s, True)[block] for kernel in ("fwd", "dkdv", "dq") for block in ("BLOCK_M", "BLOCK_N")]
     assert all(s % block == 0 for block in blocks)
     _, q, k, v = make(2, s, 4, 2, d)
-    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
-        check(q, k, v, attn.rope_freqs(s, d, interleaved=interleaved, device=DEVICE), causal=True,
-              interleaved=interleaved)
+    check(q, k, v, attn.rope_freqs(s, d, interleaved=interleaved, device=DEVICE), causal=True, interleaved=interleaved)
 
 
-@pytest.mark.parametrize("causal, masked, d, d2, interleaved", [(False, False, 64, 64, False), (True, True, 80, 64, True),
-                                                              (True, False, 96, 32, False)])
-def test_deterministic_backward(causal, masked, d, d2, interleaved):
-    """By default dq is summed with float32 atomics, in no fixed order. Under
-    torch.use_deterministic_algorithms(True) a second kernel computes it: right against the
-    reference too, and the same bits on every call."""
+@pytest.mark.parametrize("causal, masked, d, d2, interleaved", [
+    (False, False, 64, 64, False), (False, True, 64, 32, True), (True, True, 80, 64, True), (True, False, 96, 32, False),
+    (False, True, 128, 128, False)])
+def test_backward_same_bits_every_call(causal, masked, d, d2, interleaved):
+    """dq comes from its own kernel, summed over the keys in a fixed order (no atomics), and dk, dv
+    from theirs likewise: right against the reference, and the same bits on every call, with no
+    torch.use_deterministic_algorithms. Each tile config of the dq kernel (d <= 64 with and without
+    a padding mask, d > 64) runs."""
     torch.manual_seed(d + d2)
     s = 257 if ON_GPU else 40
     _, q, k, v = make(2, s, 4, 2, d)
     freqs = torch.randn(s, 1, 1, d2, device=DEVICE)
     kwargs = dict(causal=causal, attention_mask=padding_mask(2, s) if masked else None, interleaved=interleaved)
-    with deterministic_algorithms():
-        out = check(q, k, v, freqs, **kwargs)
-        dout = torch.randn_like(out)
-        first, second = (torch.autograd.grad(attn.rope_attention(q, k, v, freqs, **kwargs), (q, k, v), dout)
-                         for _ in range(2))
-        assert all(a.equal(b) for a, b in zip(first, second))
-    atomic = torch.autograd.grad(attn.rope_attention(q, k, v, freqs, **kwargs), (q, k, v), dout)
-    for a, b in zip(first, atomic):  # the two routes differ only in the order of float32 sums
-        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
-
-
-@pytest.mark.parametrize("d, d2", [(128, 128), (96, 64)])
-def test_dq_by_the_second_kernel_at_large_head_dims(d, d2):
-    """At d > 64 without a causal mask dq comes from the fixed-order kernel by default (faster there than
-    the atomics): right against the reference with a padding mask, and the same bits on every call (on the
-    GPU, where the atomics would add in no fixed order)."""
-    torch.manual_seed(d + d2)
-    s = 257 if ON_GPU else 40
-    _, q, k, v = make(2, s, 4, 2, d)
-    freqs = torch.randn(s, 1, 1, d2, device=DEVICE)
-    kwargs = dict(attention_mask=padding_mask(2, s))
     dout = torch.randn_like(check(q, k, v, freqs, **kwargs))
     first, second = (torch.autograd.grad(attn.rope_attention(q, k, v, freqs, **kwargs), (q, k, v), dout)
                      for _ in range(2))
     assert all(a.equal(b) for a, b in zip(first, second))
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_int64_offsets(monkeypatch, deterministic):
+def test_int64_offsets(monkeypatch):
     """Row offsets within one head are int32 in the kernels unless one could reach 2^31 elements
     (then int64). Lowering that limit runs the int64 path on a small case, in every kernel."""
     torch.manual_seed(7)
@@ -178,18 +155,15 @@ def test_int64_offsets(monkeypatch, deterministic):
     assert not attn._wide(dims, "sbhd", q, k, v)
     monkeypatch.setattr(attn, "INT32_LIMIT", (s - 1) * q.stride(0))  # q's last row now reaches the limit
     assert attn._wide(dims, "sbhd", q, k, v)
-    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
-        check(q, k, v, freqs, leaves=(qkv,), causal=True, attention_mask=padding_mask(2, s), interleaved=True,
-              tensor_format="sbhd")
+    check(q, k, v, freqs, leaves=(qkv,), causal=True, attention_mask=padding_mask(2, s), interleaved=True,
+          tensor_format="sbhd")
 
 
-@pytest.mark.parametrize("tensor_format, case, deterministic", all_pairs(
-    ["bshd", "sbhd"], [(False, False, 64, 64, True), (True, True, 80, 64, False)], [False, True]))
-def test_qkvpacked_same_as_three_tensors(tensor_format, case, deterministic):
-    """rope_attention_qkvpacked(qkv) gives rope_attention(*qkv.unbind(2))'s output and gradients,
-    with qkv's gradient made by the Function itself (no stacking of three gradients by autograd).
-    The float32 dq buffer starts as torch.empty: freed NaNs are offered to it first, so a row the
-    delta kernel failed to zero would show."""
+@pytest.mark.parametrize("tensor_format, case", all_pairs(
+    ["bshd", "sbhd"], [(False, False, 64, 64, True), (True, True, 80, 64, False)]))
+def test_qkvpacked_same_as_three_tensors(tensor_format, case):
+    """rope_attention_qkvpacked(qkv) gives rope_attention(*qkv.unbind(2))'s output and gradients, bit
+    for bit, with qkv's gradient made by the Function itself (no stacking of three gradients by autograd)."""
     causal, masked, d, d2, interleaved = case
     torch.manual_seed(d)
     b, s, h = 2, (257 if ON_GPU else 40), 4
@@ -199,17 +173,13 @@ def test_qkvpacked_same_as_three_tensors(tensor_format, case, deterministic):
     kwargs = dict(causal=causal, attention_mask=padding_mask(b, s) if masked else None, interleaved=interleaved,
                   tensor_format=tensor_format)
     dout = torch.randn(*shape, h, d, device=DEVICE, dtype=torch.float16)
-    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
-        packed = attn.rope_attention_qkvpacked(qkv, freqs, **kwargs)
-        assert packed.grad_fn.next_functions[0][0].variable is qkv  # straight to qkv, no UnbindBackward
-        torch.full((b * h * s * d,), float("nan"), device=DEVICE)  # the dq buffer's size here, freed at once
-        (dqkv,) = torch.autograd.grad(packed, qkv, dout)
-        three = attn.rope_attention(*qkv.unbind(2), freqs, **kwargs)
-        (dqkv_three,) = torch.autograd.grad(three, qkv, dout)
+    packed = attn.rope_attention_qkvpacked(qkv, freqs, **kwargs)
+    assert packed.grad_fn.next_functions[0][0].variable is qkv  # straight to qkv, no UnbindBackward
+    (dqkv,) = torch.autograd.grad(packed, qkv, dout)
+    three = attn.rope_attention(*qkv.unbind(2), freqs, **kwargs)
+    (dqkv_three,) = torch.autograd.grad(three, qkv, dout)
     assert packed.equal(three)
-    exact = deterministic or not ON_GPU  # else the atomics add dq in no fixed order
-    for i in range(3):
-        torch.testing.assert_close(dqkv[:, :, i], dqkv_three[:, :, i], **({} if not exact else dict(atol=0, rtol=0)))
+    assert dqkv.equal(dqkv_three)
     ref = attn.attention_reference(*qkv.unbind(2), freqs, **kwargs)
     (ref_dqkv,) = torch.autograd.grad(ref, qkv, dout.float())
     assert_close_to_reference(dqkv, ref_dqkv, dqkv_three)
@@ -333,12 +303,11 @@ def test_torch_compile_matches_eager(case, fullgraph):
         fn = attn.rope_attention
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=fullgraph, backend="inductor" if ON_GPU else "aot_eager")
-    with deterministic_algorithms():  # a fixed order of sums, so that eager and compiled can be compared bit for bit
-        eager_out = fn(*inputs, freqs, **kwargs)
-        compiled_out = compiled(*inputs, freqs, **kwargs)
-        dout = torch.randn_like(eager_out)
-        eager_grads = torch.autograd.grad(eager_out, inputs, dout)
-        compiled_grads = torch.autograd.grad(compiled_out, inputs, dout)
+    eager_out = fn(*inputs, freqs, **kwargs)  # every sum in a fixed order: eager and compiled agree bit for bit
+    compiled_out = compiled(*inputs, freqs, **kwargs)
+    dout = torch.randn_like(eager_out)
+    eager_grads = torch.autograd.grad(eager_out, inputs, dout)
+    compiled_grads = torch.autograd.grad(compiled_out, inputs, dout)
     assert compiled_out.equal(eager_out)
     for a, b_ in zip(compiled_grads, eager_grads):
         assert a.equal(b_)

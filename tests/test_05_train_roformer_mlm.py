@@ -215,7 +215,7 @@ def test_batches_reach_the_device_intact():
 
 def test_resume_gives_the_same_loss_curve(tmp_path):
     common = TINY + ["--max-steps", "8", "--grad-accum", "2"]
-    with deterministic_algorithms():  # on a GPU, 04's dq and PyTorch's index backward use atomics otherwise
+    with deterministic_algorithms():  # on a GPU, PyTorch's index backward uses atomics otherwise
         straight = train.main(["--out", str(tmp_path / "a")] + common)
         train.main(["--out", str(tmp_path / "b"), "--stop-after", "3"] + common)
         resumed = train.main(["--out", str(tmp_path / "b"), "--resume"] + common)
@@ -229,7 +229,7 @@ def test_resume_gives_the_same_loss_curve(tmp_path):
 @pytest.mark.parametrize("attn, compiled", [("fused", False), ("triton", False), ("fused", True)])
 def test_cuda_graphs_replay_the_eager_layers(attn, compiled):
     """The encoder replayed from CUDA graphs gives the eager layers' loss and gradients (no dropout, so
-    that both draw nothing random; deterministic dq, so that both sum in one order); compiled first, the
+    that both draw nothing random; deterministic algorithms, so that both sum in one order); compiled first, the
     same within Inductor's rounding. A batch with padding, evaluation and another shape fall back to the
     layers as usual."""
     cfg = train.RoFormerConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
@@ -365,7 +365,7 @@ def test_sigkill_during_a_save_then_resume(tmp_path):
     """A training process killed (SIGKILL) while it writes a checkpoint: --resume goes on from the last
     whole checkpoint, and the losses from there equal an uninterrupted run's."""
     common = TINY + ["--max-steps", "8", "--ckpt-interval", "2"]
-    with deterministic_algorithms():  # on a GPU, 04's dq and PyTorch's index backward use atomics otherwise
+    with deterministic_algorithms():  # on a GPU, PyTorch's index backward uses atomics otherwise
         straight = train.main(["--out", str(tmp_path / "a")] + common)
     out, marker = tmp_path / "b", tmp_path / "writing"
     child = f"""
