@@ -21,9 +21,9 @@ In this tutorial, you will learn about:
   03's and 04's kernels opaque to Inductor; what it fuses and what it cannot, measured by kernel
   family (``--bench --bench-profile``), against Hugging Face's model compiled; dropout's mask
   drawn by a small Triton kernel of its own, eight elements per Philox call, where Inductor's
-  dropout makes one call per element; and backward kernels for the GELU and the add-and-LayerNorm
+  dropout makes one call per element; backward kernels for the GELU and the add-and-LayerNorm
   blocks that sum the bias and LayerNorm gradients as they make them, where Inductor reads the
-  gradients again;
+  gradients again; and GELU's erf as a branch-free fit, in a forward kernel too;
 * why a model trains at the pace of Python rather than the GPU, and ``--cuda-graphs`` (on with a
   GPU): the encoder's forward and backward, compiled, replayed from two CUDA graphs (and the trap
   such graphs set for gradient accumulation).
@@ -150,23 +150,59 @@ class Dropout(nn.Dropout):
 # matmul: the two gradients then arrive apart and the kernel adds them as it reads them (one
 # output's would be summed into a float32 tensor first, 100 MB more a block). What this saves, and
 # the tiles' sweep: results/05_ab.log.
+# GELU's forward is a kernel too, though Inductor would fuse it (with nothing: a matmul on either
+# side). Both kernels are bound by instructions rather than bytes, and the costliest is erf:
+# libdevice's erff picks one of two polynomials by |x|, and a warp whose elements fall on both sides
+# (most of them, for activations near 0) runs both. Phi(x) here is one branch-free fit of erfc and
+# one exponential, with no 1 + erf(x) to cancel in the negative tail (1.2% of Inductor's bf16
+# outputs are not float64 GELU correctly rounded, 0.002% of these). At BERT-base's shape the forward
+# takes 63 us where Inductor's takes 75 on an H200 (72 and 79 on an H100), the backward 100 where
+# libdevice's erf took 109 (114 and 120); a copy of the forward's bytes takes 49 (68) us
+# (results/05_ab.log G).
+
+
+@triton.jit
+def _normal_cdf(x):
+    """Phi(x) = erfc(-x / sqrt(2)) / 2, erfc from Numerical Recipes' Chebyshev fit (relative error
+    under 1.2e-7 for every x: the negative tail keeps its digits)."""
+    z = tl.abs(x) * 0.7071067811865476
+    t = 1.0 / (1.0 + 0.5 * z)
+    fit = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806 + t * (
+        0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277))))))))
+    half_erfc = 0.5 * t * tl.exp(fit - z * z)  # erfc(z) / 2
+    return tl.where(x >= 0, 1.0 - half_erfc, half_erfc)
+
+
+@triton.jit
+def _tile_plus_bias(h_ptr, bias_ptr, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_N] tile of h plus bias, in float32 (0 off the edges), with its
+    offsets, mask and columns."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    x = tl.load(h_ptr + offs, mask=ok, other=0.0).to(tl.float32) + tl.load(bias_ptr + cols, mask=cols < n_cols)[None, :]
+    return x, offs, ok, cols
+
+
+@triton.jit
+def bias_gelu_fwd_kernel(h_ptr, bias_ptr, g_ptr, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """g = GELU(h + bias) (the exact, erf GELU) for one tile, in float32, stored in g's dtype."""
+    x, offs, ok, _ = _tile_plus_bias(h_ptr, bias_ptr, n_rows, n_cols, BLOCK_M, BLOCK_N)
+    tl.store(g_ptr + offs, (x * _normal_cdf(x)).to(g_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def bias_gelu_bwd_kernel(dg_ptr, h_ptr, bias_ptr, dh_ptr, partial_ptr, n_rows, n_cols,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dh = dg * GELU'(h + bias) (the exact, erf GELU) for one [BLOCK_M, BLOCK_N] tile, and the tile's
-    column sums of dh (in float32, before dh is rounded) into row pid_m of the partial sums."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rows, cols = pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
-    x = tl.load(h_ptr + offs, mask=ok, other=0.0).to(tl.float32) + tl.load(bias_ptr + cols, mask=cols < n_cols)[None, :]
+    """dh = dg * GELU'(h + bias) for one tile, and the tile's column sums of dh (in float32, before
+    dh is rounded) into row program_id(0) of the partial sums."""
+    x, offs, ok, cols = _tile_plus_bias(h_ptr, bias_ptr, n_rows, n_cols, BLOCK_M, BLOCK_N)
     dg = tl.load(dg_ptr + offs, mask=ok, other=0.0).to(tl.float32)  # 0 off the edges: so is dh
-    cdf, pdf = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476)), tl.exp(-0.5 * x * x) * 0.3989422804014327
-    dh = dg * (cdf + x * pdf)
+    pdf = tl.exp(-0.5 * x * x) * 0.3989422804014327
+    dh = dg * (_normal_cdf(x) + x * pdf)
     tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=ok)
-    tl.store(partial_ptr + pid_m * n_cols + cols, tl.sum(dh, 0), mask=cols < n_cols)
+    tl.store(partial_ptr + tl.program_id(0) * n_cols + cols, tl.sum(dh, 0), mask=cols < n_cols)
 
 
 @triton.jit
@@ -212,10 +248,33 @@ def add_norm_bwd_kernel(dy_ptr, dy_mm_ptr, xhat_ptr, rstd_ptr, keep_ptr, gamma_p
     tl.store(partial + 2 * n_cols, sum_dbias, mask=ok)
 
 
-# Tiles from a sweep at BERT-base's shape on an H100 (results/05_ab.log). The caller sums the partial
-# sums: compiled, Inductor's reduction does it several times faster than a call of torch.sum.
-BIAS_GELU_BLOCKS = dict(BLOCK_M=32, BLOCK_N=64, num_warps=4)
+# Tiles from sweeps at BERT-base's shape on an H100 and an H200 (results/05_ab.log). The caller sums
+# the partial sums: compiled, Inductor's reduction does it several times faster than a call of torch.sum.
+BIAS_GELU_FWD_BLOCKS = dict(BLOCK_M=8, BLOCK_N=512, num_warps=4)
+BIAS_GELU_BLOCKS = dict(BLOCK_M=32, BLOCK_N=128, num_warps=4)
 ADD_NORM_BLOCKS = dict(bands=256, num_warps=4, NUM_STAGES=4)
+
+
+def _gelu_tiles(blocks, h):
+    """(grid, tile arguments) of a bias + GELU kernel over h [..., n] seen as [rows, n]: a tile is
+    never wider than the next power of two of n."""
+    n_cols = h.shape[-1]
+    block_n = min(blocks["BLOCK_N"], triton.next_power_of_2(n_cols))
+    return ((triton.cdiv(h.numel() // n_cols, blocks["BLOCK_M"]), triton.cdiv(n_cols, block_n)),
+            dict(n_rows=h.numel() // n_cols, n_cols=n_cols, BLOCK_M=blocks["BLOCK_M"], BLOCK_N=block_n,
+                 num_warps=blocks["num_warps"]))
+
+
+@torch.library.custom_op("roformer_mlm::bias_gelu", mutates_args=())
+def bias_gelu(h: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """GELU(h + bias) in h's dtype, computed in float32; h [..., n], bias [n]."""
+    h, g = h.contiguous(), torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    grid, tiles = _gelu_tiles(BIAS_GELU_FWD_BLOCKS, h)
+    bias_gelu_fwd_kernel[grid](h, bias, g, **tiles)
+    return g
+
+
+bias_gelu.register_fake(lambda h, bias: torch.empty(h.shape, dtype=h.dtype, device=h.device))
 
 
 def _bias_gelu_outputs(h):
@@ -230,10 +289,8 @@ def bias_gelu_backward(dg: torch.Tensor, h: torch.Tensor, bias: torch.Tensor) ->
     """(dh, partial sums of dh [row tiles, n] in float32) of gelu(h + bias), h [..., n] and bias [n]."""
     dg, h = dg.contiguous(), h.contiguous()
     dh, partial = _bias_gelu_outputs(h)
-    n_cols, cfg = h.shape[-1], BIAS_GELU_BLOCKS
-    bias_gelu_bwd_kernel[(partial.shape[0], triton.cdiv(n_cols, cfg["BLOCK_N"]))](
-        dg, h, bias, dh, partial, h.numel() // n_cols, n_cols, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        num_warps=cfg["num_warps"])
+    grid, tiles = _gelu_tiles(BIAS_GELU_BLOCKS, h)
+    bias_gelu_bwd_kernel[grid](dg, h, bias, dh, partial, **tiles)
     return dh, partial
 
 
@@ -273,16 +330,13 @@ def _(dy, dy_mm, xhat, rstd, keep, gamma, scale, a_dtype):
 
 
 class BiasGELU(torch.autograd.Function):
-    """gelu(h + bias), h a matmul's output without its bias, computed in float32 (a float32 bias) and
-    rounded to h's dtype."""
+    """gelu(h + bias), h a matmul's output without its bias, computed in float32 and rounded to h's
+    dtype: one kernel each way."""
 
     @staticmethod
     def forward(ctx, h, bias):
         ctx.save_for_backward(h, bias)
-        # h + bias is float32 by type promotion. (Written h.float() + bias and .to(h.dtype), no-ops on
-        # float32 h, it made torch 2.11's compiled backward (fullgraph) return zeros on the GPU.)
-        g = F.gelu(h + bias)
-        return g if g.dtype == h.dtype else g.to(h.dtype)
+        return bias_gelu(h, bias)
 
     @staticmethod
     def backward(ctx, dg):
@@ -365,9 +419,9 @@ class RoFormerSelfAttention(nn.Module):
         qkv = F.linear(x, weight, bias).view(b, s, 3, self.heads, hidden // self.heads)
         if self.attn == "fused":  # 04: RoPE inside the attention kernel (fp16/bf16 only), q, k, v packed: the
             # backward writes their gradients as one tensor (three would be stacked, a copy). Against the triton
-            # path, a compiled and graphed step at BERT-base's shape takes 0.9 ms less on an H100 (0.3 ms on an
+            # path, a compiled and graphed step at BERT-base's shape takes 0.8 ms less on an H100 (0.3 ms on an
             # H200): cuDNN's attention kernels are 0.6 ms faster than 04's, but 03's RoPE kernels (0.9 ms) and
-            # the stack of SDPA's three gradients (0.6 ms) are gone (results/05_ab.log, E).
+            # the stack of SDPA's three gradients (0.6 ms) are gone (results/05_ab.log, E: one step by kernel).
             dtype = qkv.dtype if qkv.dtype in (torch.float16, torch.bfloat16) else torch.float16
             out = fused.rope_attention_qkvpacked(qkv.to(dtype), freqs, attention_mask=mask, interleaved=True)
             return out.to(qkv.dtype).reshape(b, s, hidden)
