@@ -19,11 +19,12 @@ In this tutorial, you will learn about:
   float atomics), DistributedDataParallel via torchrun;
 * ``--compile`` (on with a GPU): the whole model under ``torch.compile``, the nanoGPT way, with
   03's and 04's kernels opaque to Inductor; what it fuses and what it cannot, measured by kernel
-  family (``--bench --bench-profile``), against Hugging Face's model compiled; dropout's mask
-  drawn by a small Triton kernel of its own, eight elements per Philox call, where Inductor's
-  dropout makes one call per element; backward kernels for the GELU and the add-and-LayerNorm
-  blocks that sum the bias and LayerNorm gradients as they make them, where Inductor reads the
-  gradients again; and GELU's erf as a branch-free fit, in a forward kernel too;
+  family (``--bench --bench-profile``), against Hugging Face's model compiled; dropout drawn
+  eight elements per Philox call, where Inductor's dropout makes one call per element, inside
+  add-and-LayerNorm kernels that draw the mask again in the backward rather than store it;
+  backward kernels for the GELU and the add-and-LayerNorm blocks that sum the bias and LayerNorm
+  gradients as they make them, where Inductor reads the gradients again; and GELU's erf as a
+  branch-free fit;
 * why a model trains at the pace of Python rather than the GPU, and ``--cuda-graphs`` (on with a
   GPU): the encoder's forward and backward, compiled, replayed from two CUDA graphs (and the trap
   such graphs set for gradient accumulation).
@@ -76,34 +77,70 @@ naive_rope, rope_fwd, rope_bwd, fused = (load_step(f) for f in (
 ATTN_PATHS = ("torch", "naive", "triton", "fused")
 
 # %%
-# Dropout: eight elements from one Philox call
-# --------------------------------------------
+# Dropout: eight elements from one Philox call, and a mask that is never stored
+# -----------------------------------------------------------------------------
 # Compiled, dropout is fused into the LayerNorm kernel after it, and Inductor draws its random
 # numbers there: one Philox call (ten rounds of 32-bit multiplies) per element, of whose 128 bits
 # it keeps 32. At BERT-base's shape that is 12.6M calls per dropout, enough to make the LayerNorm
-# kernels wait on integer arithmetic rather than memory. This kernel draws the keep-mask with one
-# call per eight elements (16 bits each: p is rounded to a multiple of 1/65536), and writes it as
-# bytes, which the backward reads anyway; Inductor fuses the multiply by it as before.
+# kernels wait on integer arithmetic rather than memory. Here one call makes eight elements' draws
+# (16 bits each: p is rounded to a multiple of 1/65536). Seen as rows of n, element c of row r is
+# draw c % 8 of call r * cdiv(n, 8) + c // 8, so a kernel that holds a row draws its mask itself.
+# The mask is then a function of one seed (drawn from PyTorch's generator, so torch.manual_seed,
+# checkpointed RNG states and CUDA graphs govern it as they do nn.Dropout), and the kernels that
+# need it draw it again rather than read it, as Triton's low-memory dropout tutorial does: the
+# add + LayerNorm kernels below, forward and backward, take the seed, and no mask of a byte per
+# element is written and read twice. dropout_keep_kernel writes the same mask out, for the
+# embeddings' dropout (a multiply that Inductor fuses) and for the tests. At BERT-base's shape on an
+# H200 the kernel that wrote a mask took 10 us a dropout, and a compiled, graphed step is 0.3 ms
+# faster without the masks (25.9 against 25.7 ms, results/05_ab.log I), with 300 MB less memory.
+DROPOUT_BLOCKS = dict(ROWS=16, GROUPS=128, num_warps=4)  # a program of dropout_keep_kernel: rows x (8 x GROUPS) columns
 
 
 @triton.jit
-def dropout_keep_kernel(seed_ptr, keep_ptr, n, threshold, BLOCK: tl.constexpr):
-    """keep[i] = (16 random bits >= threshold); program pid writes elements [8 * BLOCK * pid, 8 * BLOCK * (pid + 1))."""
-    pid, lane = tl.program_id(0), tl.arange(0, BLOCK)
-    words = tl.randint4x(tl.load(seed_ptr), pid * BLOCK + lane)  # counters: one per lane, unique in the call
-    for j in tl.static_range(8):
-        bits = (words[j // 2] >> (16 * (j % 2))) & 0xFFFF
-        offs = (pid * 8 + j) * BLOCK + lane
-        tl.store(keep_ptr + offs, bits.to(tl.int32) >= threshold, mask=offs < n)
+def _keep(seed, row, first_group, n_cols, threshold, GROUPS: tl.constexpr):
+    """[GROUPS, 8] keep flags of columns c = 8 * (first_group + g) + j of one row: draw j of Philox call
+    row * cdiv(n_cols, 8) + first_group + g, kept when its 16 bits are >= threshold."""
+    g, j = tl.arange(0, GROUPS)[:, None], tl.arange(0, 8)[None, :]
+    w0, w1, w2, w3 = tl.randint4x(seed, row * tl.cdiv(n_cols, 8) + first_group + g)  # [GROUPS, 1] each
+    word = tl.where(j < 4, tl.where(j < 2, w0, w1), tl.where(j < 6, w2, w3))
+    bits = tl.where(j % 2 == 0, word & 0xFFFF, word >> 16)
+    return bits.to(tl.int32) >= threshold
+
+
+@triton.jit
+def _row_columns(GROUPS: tl.constexpr):
+    """Column indices 8 * g + j of a [GROUPS, 8] tile: the layout of _keep's flags."""
+    return 8 * tl.arange(0, GROUPS)[:, None] + tl.arange(0, 8)[None, :]
+
+
+@triton.jit
+def dropout_keep_kernel(seed_ptr, keep_ptr, n_rows, n_cols, threshold, ROWS: tl.constexpr, GROUPS: tl.constexpr):
+    """keep [n_rows, n_cols]: ROWS rows from ROWS * pid0, 8 * GROUPS columns from 8 * GROUPS * pid1."""
+    seed, first_group = tl.load(seed_ptr), tl.program_id(1) * GROUPS
+    cols = 8 * first_group + _row_columns(GROUPS)
+    for i in range(ROWS):
+        row = tl.program_id(0) * ROWS + i
+        tl.store(keep_ptr + row.to(tl.int64) * n_cols + cols, _keep(seed, row, first_group, n_cols, threshold, GROUPS),
+                 mask=cols < tl.where(row < n_rows, n_cols, 0))
+
+
+def _check_dropout_size(numel):
+    if numel >= 2**31:
+        raise ValueError(f"dropout over {numel} elements: int32 offsets reach 2^31")
 
 
 @torch.library.custom_op("roformer_mlm::dropout_keep", mutates_args=())
 def dropout_keep(seed: torch.Tensor, shape: List[int], threshold: int) -> torch.Tensor:
-    """A bool mask of `shape`, True with probability 1 - threshold / 65536, from the int64 seed[0]."""
+    """A bool mask of `shape`, True with probability 1 - threshold / 65536: the draws of _keep from the
+    int64 seed[0], `shape` seen as rows of shape[-1]."""
     keep = torch.empty(shape, dtype=torch.bool, device=seed.device)
-    if keep.numel() >= 2**31:
-        raise ValueError(f"dropout over {keep.numel()} elements: int32 offsets reach 2^31")
-    dropout_keep_kernel[(triton.cdiv(keep.numel(), 8 * 1024),)](seed, keep, keep.numel(), threshold, BLOCK=1024)
+    _check_dropout_size(keep.numel())
+    if keep.numel():
+        n_cols, (rows, groups) = shape[-1], (DROPOUT_BLOCKS[k] for k in ("ROWS", "GROUPS"))
+        groups = min(groups, triton.next_power_of_2(triton.cdiv(n_cols, 8)))
+        grid = (triton.cdiv(keep.numel() // n_cols, rows), triton.cdiv(n_cols, 8 * groups))
+        dropout_keep_kernel[grid](seed, keep, keep.numel() // n_cols, n_cols, threshold, ROWS=rows, GROUPS=groups,
+                                  num_warps=DROPOUT_BLOCKS["num_warps"])
     return keep
 
 
@@ -111,25 +148,24 @@ dropout_keep.register_fake(lambda seed, shape, threshold: seed.new_empty(shape, 
 
 
 class Dropout(nn.Dropout):
-    """nn.Dropout with its mask from dropout_keep_kernel; the seed is drawn from PyTorch's generator,
-    so torch.manual_seed, checkpointed RNG states and CUDA graphs govern it as they do nn.Dropout."""
+    """nn.Dropout with its mask drawn eight elements per Philox call, from a seed."""
 
-    def keep_and_scale(self, shape, device):
-        """(keep, scale) such that this dropout of x is x * keep * scale; keep is None when every
-        element is kept (evaluation, p = 0) or none is (p = 1: scale 0)."""
+    def seed_and_scale(self, device):
+        """(seed, threshold, scale): this dropout of x keeps the elements whose draw from seed (_keep)
+        is >= threshold and multiplies them by scale; seed is None when every element is kept
+        (evaluation, p = 0: scale 1) or none is (p = 1: scale 0)."""
         if not self.training or self.p == 0.0:
-            return None, 1.0
+            return None, 0, 1.0
         if self.p == 1.0:
-            return None, 0.0
+            return None, 0, 0.0
         threshold = round(self.p * 65536)
-        seed = torch.randint(2**62, (1,), device=device)
-        return dropout_keep(seed, list(shape), threshold), 65536 / (65536 - threshold)
+        return torch.randint(2**62, (1,), device=device), threshold, 65536 / (65536 - threshold)
 
     def forward(self, x):
         if not self.training or self.p in (0.0, 1.0):
             return super().forward(x)
-        keep, scale = self.keep_and_scale(x.shape, x.device)
-        return x * keep * scale
+        seed, threshold, scale = self.seed_and_scale(x.device)
+        return x * dropout_keep(seed, list(x.shape), threshold) * scale
 
 
 # %%
@@ -145,11 +181,16 @@ class Dropout(nn.Dropout):
 # - dense, then bias + GELU: the matmul runs without its bias; the backward writes dh and sums it;
 # - dense, then bias, dropout, the residual and LayerNorm (AddNorm): one kernel for the backward
 #   of all four, with three column sums (LayerNorm's weight and bias, the dense layer's bias).
-# Their forward passes stay PyTorch code in a torch.autograd.Function, so Inductor fuses them as
-# before. AddNorm returns its output twice, in float32 for the residual and rounded for the next
-# matmul: the two gradients then arrive apart and the kernel adds them as it reads them (one
-# output's would be summed into a float32 tensor first, 100 MB more a block). What this saves, and
-# the tiles' sweep: results/05_ab.log.
+# AddNorm returns its output twice, in float32 for the residual and rounded for the next matmul: the
+# two gradients then arrive apart and the kernel adds them as it reads them (one output's would be
+# summed into a float32 tensor first, 100 MB more a block). What this saves, and the tiles' sweep:
+# results/05_ab.log.
+# AddNorm's forward is a kernel too, a row at a time like its backward, so that both draw dropout's
+# mask from the seed (above) instead of writing and reading it. It moves what Inductor's fused
+# kernel moved but the mask (a and the residual in; y twice, xhat = (z - mean) * rstd and rstd out:
+# 201 MB at BERT-base's shape), in 52 us where Inductor's took 55 on an H200, plus 10 for the mask's
+# kernel; a copy of as many bytes takes 49 (results/05_ab.log I). It wants more programs than the
+# backward, whose programs each add a row of partial sums for the caller to sum.
 # GELU's forward is a kernel too, though Inductor would fuse it (with nothing: a matmul on either
 # side). Both kernels are bound by instructions rather than bytes, and the costliest is erf:
 # libdevice's erff picks one of two polynomials by |x|, and a warp whose elements fall on both sides
@@ -206,38 +247,77 @@ def bias_gelu_bwd_kernel(dg_ptr, h_ptr, bias_ptr, dh_ptr, partial_ptr, n_rows, n
 
 
 @triton.jit
-def add_norm_bwd_kernel(dy_ptr, dy_mm_ptr, xhat_ptr, rstd_ptr, keep_ptr, gamma_ptr, dz_ptr, da_ptr, partial_ptr,
-                        n_rows, n_cols, rows_per_program, scale, HAS_DY: tl.constexpr, HAS_DY_MM: tl.constexpr,
-                        HAS_KEEP: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """y = LayerNorm(z), z = (a + bias) * keep * scale + residual, for one band of rows, a row at a time
-    (BLOCK_N >= n_cols): dz (the residual's gradient), da = dz * keep * scale, and the band's column
-    sums of dy * xhat, dy and da. dy is the sum of the two outputs' gradients."""
-    band, cols = tl.program_id(0), tl.arange(0, BLOCK_N)
+def add_norm_fwd_kernel(a_ptr, bias_ptr, residual_ptr, seed_ptr, gamma_ptr, beta_ptr, y_ptr, y_mm_ptr, xhat_ptr,
+                        rstd_ptr, n_rows, n_cols, rows_per_program, threshold, scale, eps, HAS_DROPOUT: tl.constexpr,
+                        HAS_MM: tl.constexpr, GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """y = LayerNorm(z), z = (a + bias) * keep * scale + residual, keep drawn from the seed (_keep), for
+    one band of rows, a row at a time (8 * GROUPS >= n_cols): y in its dtype and (HAS_MM) rounded to
+    y_mm's, and for the backward xhat = (z - mean) * rstd and rstd."""
+    band, cols = tl.program_id(0), _row_columns(GROUPS)
     ok = cols < n_cols
+    bias = tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     gamma = tl.load(gamma_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    sum_dgamma = tl.zeros((BLOCK_N,), tl.float32)
-    sum_dbeta = tl.zeros((BLOCK_N,), tl.float32)
-    sum_dbias = tl.zeros((BLOCK_N,), tl.float32)
+    beta = tl.load(beta_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_DROPOUT:
+        seed = tl.load(seed_ptr)
     first = band * rows_per_program
     start = first.to(tl.int64) * n_cols  # the band's first element; offsets within a band are int32
-    dy_ptr, dy_mm_ptr, xhat_ptr, keep_ptr = dy_ptr + start, dy_mm_ptr + start, xhat_ptr + start, keep_ptr + start
+    a_ptr, residual_ptr, xhat_ptr = a_ptr + start, residual_ptr + start, xhat_ptr + start
+    y_ptr, y_mm_ptr, rstd_ptr = y_ptr + start, y_mm_ptr + start, rstd_ptr + first
+    for row in tl.range(0, tl.minimum(rows_per_program, n_rows - first), num_stages=NUM_STAGES):
+        offs = row * n_cols + cols
+        branch = (tl.load(a_ptr + offs, mask=ok, other=0.0).to(tl.float32) + bias) * scale
+        if HAS_DROPOUT:
+            branch = tl.where(_keep(seed, first + row, 0, n_cols, threshold, GROUPS), branch, 0.0)
+        z = branch + tl.load(residual_ptr + offs, mask=ok, other=0.0).to(tl.float32)  # 0 past n_cols
+        mean = tl.sum(tl.sum(z, 1), 0) / n_cols
+        centred = tl.where(ok, z - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(centred * centred, 1), 0) / n_cols + eps)
+        xhat = centred * rstd
+        y = xhat * gamma + beta
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
+        if HAS_MM:
+            tl.store(y_mm_ptr + offs, y.to(y_mm_ptr.dtype.element_ty), mask=ok)
+        tl.store(xhat_ptr + offs, xhat, mask=ok)
+        tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def add_norm_bwd_kernel(dy_ptr, dy_mm_ptr, xhat_ptr, rstd_ptr, seed_ptr, gamma_ptr, dz_ptr, da_ptr, partial_ptr,
+                        n_rows, n_cols, rows_per_program, threshold, scale, HAS_DY: tl.constexpr,
+                        HAS_DY_MM: tl.constexpr, HAS_DROPOUT: tl.constexpr, GROUPS: tl.constexpr,
+                        NUM_STAGES: tl.constexpr):
+    """The backward of add_norm_fwd_kernel for one band of rows, a row at a time: dz (the residual's
+    gradient), da = dz * keep * scale (keep drawn again from the seed), and the band's column sums of
+    dy * xhat, dy and da. dy is the sum of the two outputs' gradients."""
+    band, cols = tl.program_id(0), _row_columns(GROUPS)
+    ok = cols < n_cols
+    gamma = tl.load(gamma_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_DROPOUT:
+        seed = tl.load(seed_ptr)
+    sum_dgamma = tl.zeros((GROUPS, 8), tl.float32)
+    sum_dbeta = tl.zeros((GROUPS, 8), tl.float32)
+    sum_dbias = tl.zeros((GROUPS, 8), tl.float32)
+    first = band * rows_per_program
+    start = first.to(tl.int64) * n_cols
+    dy_ptr, dy_mm_ptr, xhat_ptr = dy_ptr + start, dy_mm_ptr + start, xhat_ptr + start
     dz_ptr, da_ptr, rstd_ptr = dz_ptr + start, da_ptr + start, rstd_ptr + first
     # the loads of the next rows are issued while this one is worked on (NUM_STAGES rows in flight)
     for row in tl.range(0, tl.minimum(rows_per_program, n_rows - first), num_stages=NUM_STAGES):
         offs = row * n_cols + cols
-        dy = tl.zeros((BLOCK_N,), tl.float32)
+        dy = tl.zeros((GROUPS, 8), tl.float32)
         if HAS_DY:
             dy += tl.load(dy_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         if HAS_DY_MM:
             dy += tl.load(dy_mm_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         xhat = tl.load(xhat_ptr + offs, mask=ok, other=0.0)
         g = dy * gamma  # 0 past n_cols, as is xhat
-        mean_g, mean_gx = tl.sum(g, 0) / n_cols, tl.sum(g * xhat, 0) / n_cols
+        mean_g, mean_gx = tl.sum(tl.sum(g, 1), 0) / n_cols, tl.sum(tl.sum(g * xhat, 1), 0) / n_cols
         dz = (g - mean_g - xhat * mean_gx) * tl.load(rstd_ptr + row)
         tl.store(dz_ptr + offs, dz, mask=ok)
         da = dz * scale
-        if HAS_KEEP:
-            da = tl.where(tl.load(keep_ptr + offs, mask=ok, other=0) != 0, da, 0.0)
+        if HAS_DROPOUT:
+            da = tl.where(_keep(seed, first + row, 0, n_cols, threshold, GROUPS), da, 0.0)
         tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=ok)
         sum_dgamma += dy * xhat
         sum_dbeta += dy
@@ -252,7 +332,8 @@ def add_norm_bwd_kernel(dy_ptr, dy_mm_ptr, xhat_ptr, rstd_ptr, keep_ptr, gamma_p
 # the partial sums: compiled, Inductor's reduction does it several times faster than a call of torch.sum.
 BIAS_GELU_FWD_BLOCKS = dict(BLOCK_M=8, BLOCK_N=512, num_warps=4)
 BIAS_GELU_BLOCKS = dict(BLOCK_M=32, BLOCK_N=128, num_warps=4)
-ADD_NORM_BLOCKS = dict(bands=256, num_warps=4, NUM_STAGES=4)
+ADD_NORM_FWD_BLOCKS = dict(bands=4096, num_warps=4, NUM_STAGES=4)  # bands: programs (at most)
+ADD_NORM_BWD_BLOCKS = dict(bands=256, num_warps=4, NUM_STAGES=4)  # (more: more partial sums to add)
 
 
 def _gelu_tiles(blocks, h):
@@ -297,36 +378,73 @@ def bias_gelu_backward(dg: torch.Tensor, h: torch.Tensor, bias: torch.Tensor) ->
 bias_gelu_backward.register_fake(lambda dg, h, bias: _bias_gelu_outputs(h))
 
 
-def _add_norm_bands(n_rows):
-    """(rows per program, programs)."""
-    rows = triton.cdiv(n_rows, ADD_NORM_BLOCKS["bands"])
+def _add_norm_bands(n_rows, blocks):
+    """(rows per program, programs) of an add + LayerNorm kernel."""
+    rows = max(1, triton.cdiv(n_rows, blocks["bands"]))
     return rows, triton.cdiv(n_rows, rows)
+
+
+def _add_norm_launch(n_cols, blocks):
+    """An add + LayerNorm kernel's tile and launch arguments for rows of n_cols."""
+    return dict(GROUPS=triton.next_power_of_2(triton.cdiv(n_cols, 8)), NUM_STAGES=blocks["NUM_STAGES"],
+                num_warps=blocks["num_warps"])
+
+
+def _add_norm_outputs(a, bias, residual, mm_dtype):
+    """Empty (y, y in mm_dtype (no elements when that is y's dtype), xhat in float32, rstd in float32)."""
+    y_dtype = torch.promote_types(torch.promote_types(a.dtype, bias.dtype), residual.dtype)
+    new = lambda shape, dtype: torch.empty(shape, dtype=dtype, device=residual.device)  # noqa: E731
+    return (new(residual.shape, y_dtype), new(residual.shape if mm_dtype != y_dtype else (0,), mm_dtype),
+            new(residual.shape, torch.float32), new(residual.shape[:-1], torch.float32))
+
+
+@torch.library.custom_op("roformer_mlm::add_norm", mutates_args=())
+def add_norm(a: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, seed: Optional[torch.Tensor], threshold: int,
+             scale: float, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
+             mm_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, y rounded to mm_dtype, xhat, rstd) of y = LayerNorm((a + bias) * keep * scale + residual), keep
+    drawn from seed (None: no dropout) as dropout_keep draws it; a and residual [..., n]."""
+    y, y_mm, xhat, rstd = _add_norm_outputs(a, bias, residual, mm_dtype)
+    n_cols = residual.shape[-1]
+    n_rows = residual.numel() // max(n_cols, 1)
+    _check_dropout_size(residual.numel())
+    if n_rows:
+        rows, bands = _add_norm_bands(n_rows, ADD_NORM_FWD_BLOCKS)
+        add_norm_fwd_kernel[(bands,)](
+            a.contiguous(), bias, residual.contiguous(), seed if seed is not None else bias, gamma, beta, y,
+            y_mm if y_mm.numel() else y, xhat, rstd, n_rows, n_cols, rows, threshold, scale, eps,
+            HAS_DROPOUT=seed is not None, HAS_MM=y_mm.numel() > 0, **_add_norm_launch(n_cols, ADD_NORM_FWD_BLOCKS))
+    return y, y_mm, xhat, rstd
+
+
+add_norm.register_fake(lambda a, bias, residual, seed, threshold, scale, gamma, beta, eps, mm_dtype:
+                       _add_norm_outputs(a, bias, residual, mm_dtype))
 
 
 @torch.library.custom_op("roformer_mlm::add_norm_backward", mutates_args=())
 def add_norm_backward(dy: Optional[torch.Tensor], dy_mm: Optional[torch.Tensor], xhat: torch.Tensor,
-                      rstd: torch.Tensor, keep: Optional[torch.Tensor], gamma: torch.Tensor, scale: float,
-                      a_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(da, dresidual, partial sums [bands, 3, n] of dgamma, dbeta and dbias in float32) of AddNormFunction."""
+                      rstd: torch.Tensor, seed: Optional[torch.Tensor], threshold: int, gamma: torch.Tensor,
+                      scale: float, a_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(da, dresidual, partial sums [bands, 3, n] of dgamma, dbeta and dbias in float32) of add_norm."""
     n_cols = xhat.shape[-1]
     n_rows = xhat.numel() // n_cols
-    rows, bands = _add_norm_bands(n_rows)
+    rows, bands = _add_norm_bands(n_rows, ADD_NORM_BWD_BLOCKS)
     dz, da = (torch.empty(xhat.shape, dtype=dtype, device=xhat.device) for dtype in (xhat.dtype, a_dtype))
     partial = xhat.new_empty(bands, 3, n_cols)
-    present = dict(HAS_DY=dy is not None, HAS_DY_MM=dy_mm is not None, HAS_KEEP=keep is not None)
-    dy, dy_mm, keep = (t.contiguous() if t is not None else xhat for t in (dy, dy_mm, keep))  # (xhat: never read)
-    add_norm_bwd_kernel[(bands,)](
-        dy, dy_mm, xhat.contiguous(), rstd.contiguous(), keep, gamma, dz, da, partial, n_rows, n_cols, rows, scale,
-        **present, BLOCK_N=triton.next_power_of_2(n_cols), NUM_STAGES=ADD_NORM_BLOCKS["NUM_STAGES"],
-        num_warps=ADD_NORM_BLOCKS["num_warps"])
+    present = dict(HAS_DY=dy is not None, HAS_DY_MM=dy_mm is not None, HAS_DROPOUT=seed is not None)
+    dy, dy_mm, seed = (t.contiguous() if t is not None else xhat for t in (dy, dy_mm, seed))  # (xhat: never read)
+    if n_rows:
+        add_norm_bwd_kernel[(bands,)](dy, dy_mm, xhat.contiguous(), rstd.contiguous(), seed, gamma, dz, da, partial,
+                                      n_rows, n_cols, rows, threshold, scale, **present,
+                                      **_add_norm_launch(n_cols, ADD_NORM_BWD_BLOCKS))
     return da, dz, partial
 
 
 @add_norm_backward.register_fake
-def _(dy, dy_mm, xhat, rstd, keep, gamma, scale, a_dtype):
+def _(dy, dy_mm, xhat, rstd, seed, threshold, gamma, scale, a_dtype):
     n_cols = xhat.shape[-1]
     return (torch.empty(xhat.shape, dtype=a_dtype, device=xhat.device), torch.empty_like(xhat),
-            xhat.new_empty(_add_norm_bands(xhat.numel() // n_cols)[1], 3, n_cols))
+            xhat.new_empty(_add_norm_bands(xhat.numel() // n_cols, ADD_NORM_BWD_BLOCKS)[1], 3, n_cols))
 
 
 class BiasGELU(torch.autograd.Function):
@@ -346,25 +464,24 @@ class BiasGELU(torch.autograd.Function):
 
 
 class AddNormFunction(torch.autograd.Function):
-    """y = LayerNorm((a + bias) * keep * scale + residual), a a matmul's output without its bias;
-    returns (y, y in mm_dtype) when mm_dtype is not y's, else y."""
+    """y = LayerNorm((a + bias) * keep * scale + residual), a a matmul's output without its bias and
+    keep drawn from seed (None: no dropout); returns (y, y in mm_dtype) when mm_dtype is not y's,
+    else y. One kernel each way."""
 
     @staticmethod
-    def forward(ctx, a, bias, residual, keep, scale, gamma, beta, eps, mm_dtype):
-        branch = (a + bias) * scale  # float32 by type promotion (see BiasGELU)
-        z = (branch * keep if keep is not None else branch) + residual
-        y, mean, rstd = torch.native_layer_norm(z, (z.shape[-1],), gamma, beta, eps)
+    def forward(ctx, a, bias, residual, seed, threshold, scale, gamma, beta, eps, mm_dtype):
+        y, y_mm, xhat, rstd = add_norm(a, bias, residual, seed, threshold, scale, gamma, beta, eps, mm_dtype)
         ctx.set_materialize_grads(False)  # the rounded copy of the encoder's last output is not used
-        ctx.save_for_backward((z - mean) * rstd, rstd, keep, gamma)
-        ctx.scale, ctx.a_dtype = scale, a.dtype
-        return (y, y.to(mm_dtype)) if mm_dtype != y.dtype else y
+        ctx.save_for_backward(xhat, rstd, seed, gamma)
+        ctx.threshold, ctx.scale, ctx.a_dtype = threshold, scale, a.dtype
+        return (y, y_mm) if mm_dtype != y.dtype else y
 
     @staticmethod
     def backward(ctx, dy, dy_mm=None):
-        xhat, rstd, keep, gamma = ctx.saved_tensors
-        da, dz, partial = add_norm_backward(dy, dy_mm, xhat, rstd, keep, gamma, ctx.scale, ctx.a_dtype)
+        xhat, rstd, seed, gamma = ctx.saved_tensors
+        da, dz, partial = add_norm_backward(dy, dy_mm, xhat, rstd, seed, ctx.threshold, gamma, ctx.scale, ctx.a_dtype)
         dgamma, dbeta, dbias = partial.sum(0).unbind(0)
-        return da, dbias, dz, None, None, dgamma, dbeta, None, None
+        return da, dbias, dz, None, None, None, dgamma, dbeta, None, None
 
 
 # %%
@@ -460,12 +577,12 @@ class AddNorm(nn.Module):
         if not self.own_kernels:
             y = self.LayerNorm(self.dropout(self.dense(x)) + residual)
             return y, y
-        keep, scale = self.dropout.keep_and_scale(residual.shape, residual.device)
+        seed, threshold, scale = self.dropout.seed_and_scale(residual.device)
         device = residual.device.type
         mm_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else residual.dtype
         norm = self.LayerNorm
-        y = AddNormFunction.apply(F.linear(x, self.dense.weight), self.dense.bias, residual, keep, scale, norm.weight,
-                                  norm.bias, norm.eps, mm_dtype)
+        y = AddNormFunction.apply(F.linear(x, self.dense.weight), self.dense.bias, residual, seed, threshold, scale,
+                                  norm.weight, norm.bias, norm.eps, mm_dtype)
         return y if isinstance(y, tuple) else (y, y)
 
 
@@ -1182,9 +1299,11 @@ def compile_model(model, device):
     code would gain nothing).
 
     What Inductor fuses here: everything between the matmuls and our kernels, the embeddings' sum,
-    LayerNorm, GELU, dropout's multiply, the residual adds, the masked positions' gather and the
-    loss. It cannot touch our kernels (torch.library ops, called as they are: 03's, 04's, dropout's
-    mask and the two backward kernels above) nor the matmuls' insides. --bench --bench-profile
+    LayerNorm and dropout, the casts to bf16 and the weights' concatenation, the head's dense layer's
+    GELU and LayerNorm, the masked positions' gather and the loss (and on the torch path every
+    LayerNorm, GELU, dropout and residual add). It cannot touch our kernels (torch.library ops,
+    called as they are: 03's, 04's, dropout's mask, the GELU and add + LayerNorm kernels above) nor
+    the matmuls' insides. --bench --bench-profile
     shows a step's GPU time by kernel family, eager and compiled (results/05_train_roformer_mlm_H100.md).
 
     Which to use when: compilation shrinks the GPU's work, CUDA graphs the host's. Compiled alone, a

@@ -125,15 +125,16 @@ def test_masking_follows_bert():
 
 def test_dropout_mask_from_one_kernel(monkeypatch):
     """Dropout keeps 1 - p of the elements (p rounded to 1/65536), the eight 16-bit draws of one Philox
-    call independent of each other; a new mask every call, the same one after the same manual_seed,
-    eager and compiled (fullgraph); the gradient is the mask over 1 - p. Evaluation and p = 0 change
-    nothing."""
-    n = 8 * 1024 * 40 + 13  # 40 programs' worth and a partial one
-    keep = train.dropout_keep(torch.tensor([7], device=DEVICE), [n], 6554)
-    assert keep.shape == (n,) and keep.view(torch.uint8).max() <= 1
+    call independent of each other, rows longer than a program's tile and ending mid-call included;
+    a new mask every call, the same one after the same manual_seed, eager and compiled (fullgraph);
+    the gradient is the mask over 1 - p. Evaluation and p = 0 change nothing."""
+    rows, n = 41, 8 * 300 + 5  # 300 calls and a partial one a row, over three column programs
+    keep = train.dropout_keep(torch.tensor([7], device=DEVICE), [rows, n], 6554)
+    assert keep.shape == (rows, n) and keep.view(torch.uint8).max() <= 1
     assert abs(keep.float().mean().item() - (1 - 6554 / 65536)) < 4e-3
-    lanes = keep[:8 * 1024].view(8, 1024)  # program 0: draw j of lane i is lanes[j, i]
-    assert all((lanes[0] == lanes[j]).float().mean() < 0.9 for j in range(1, 8))  # ~0.82 if independent
+    draws = keep[:, :8 * 300].reshape(rows, 300, 8)  # draw j of a row's call g is draws[:, g, j]
+    assert all((draws[..., 0] == draws[..., j]).float().mean() < 0.9 for j in range(1, 8))  # ~0.82 if independent
+    assert (keep[0] != keep[1]).any()  # each row its own calls
     if ON_GPU:  # the seed drawn as eager draws it, so that compiled and eager masks agree
         monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
     dropout = train.Dropout(0.1)
@@ -157,15 +158,16 @@ def _reference_add_norm(a, bias, residual, keep, scale, gamma, beta, eps):
 
 @pytest.mark.parametrize("a_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_backward_kernels_with_bias_sums(a_dtype, compiled):
-    """05's two backward kernels give PyTorch's gradients, bias and LayerNorm sums included: AddNorm
-    with and without a dropout mask, with its rounded output used or not (the encoder's last), rows
-    that do not fill a band and a width that is not a power of two; bias + GELU likewise. Compiled
-    (fullgraph) too. bf16 here is the dtype of the matmul outputs the kernels read (no tl.dot: the
-    interpreter's bf16 trap does not apply)."""
+def test_add_norm_and_bias_gelu_kernels(a_dtype, compiled):
+    """05's add + LayerNorm kernels give PyTorch's output and gradients, bias and LayerNorm sums
+    included, their dropout mask drawn from the seed as dropout_keep draws it: with and without
+    dropout, with the rounded output used or not (the encoder's last), rows that do not fill a band
+    and a width that is neither a power of two nor a multiple of 8; bias + GELU's backward likewise.
+    Compiled (fullgraph) too. bf16 here is the dtype of the matmul outputs the kernels read (no
+    tl.dot: the interpreter's bf16 trap does not apply)."""
     torch._dynamo.reset()  # six variants of one function each recompile it: start from the limit's zero
     torch.manual_seed(0)
-    rows, n = 2 * 37, 48
+    rows, n = 2 * 37, 44
     a = torch.randn(2, 37, n, device=DEVICE, dtype=a_dtype, requires_grad=True)
     bias, beta, residual = (torch.randn(*shape, device=DEVICE, requires_grad=True) for shape in ((n,), (n,), (2, 37, n)))
     gamma = (torch.randn(n, device=DEVICE) * 0.5 + 1).requires_grad_()
@@ -173,18 +175,27 @@ def test_backward_kernels_with_bias_sums(a_dtype, compiled):
     mm_dtype = torch.bfloat16 if a_dtype == torch.bfloat16 else torch.float32
     dy, dy_mm = torch.randn(2, 37, n, device=DEVICE), torch.randn(2, 37, n, device=DEVICE)
 
-    def add_norm(keep, scale, use_mm):
-        out = train.AddNormFunction.apply(a, bias, residual, keep, scale, gamma, beta, 1e-12, mm_dtype)
+    def add_norm(seed, threshold, scale, use_mm):
+        out = train.AddNormFunction.apply(a, bias, residual, seed, threshold, scale, gamma, beta, 1e-12, mm_dtype)
         y, y_mm = out if isinstance(out, tuple) else (out, out)
-        return (y * dy).sum() + ((y_mm.float() * dy_mm).sum() if use_mm else 0)
+        return y, y_mm, (y * dy).sum() + ((y_mm.float() * dy_mm).sum() if use_mm else 0)
 
     ours = torch.compile(add_norm, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager") if compiled else add_norm
-    for keep, scale in ((torch.rand(2, 37, n, device=DEVICE) > 0.3, 1 / 0.7), (None, 1.0), (None, 0.0)):
+    seed, threshold = torch.tensor([11], device=DEVICE), 19661  # p = 0.3
+    keep = train.dropout_keep(seed, [2, 37, n], threshold)
+    assert 0.6 < keep.float().mean() < 0.8
+    for seed, keep, scale in ((seed, keep, 65536 / (65536 - threshold)), (None, None, 1.0), (None, None, 0.0)):
         for use_mm in (True, False):
             expected = _reference_add_norm(a, bias, residual, keep, scale, gamma, beta, 1e-12)
             loss = (expected * dy).sum() + ((expected.to(mm_dtype).float() * dy_mm).sum() if use_mm else 0)
             want = torch.autograd.grad(loss, params)
-            got = torch.autograd.grad(ours(keep, scale, use_mm), params)
+            y, y_mm, got_loss = ours(seed, threshold, scale, use_mm)
+            torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+            assert y.dtype == torch.float32 and y_mm.dtype == mm_dtype
+            # y_mm is y rounded; Triton's interpreter (Triton 3.9) truncates float32 to bf16: one unit off at most
+            ulp = 0 if ON_GPU or mm_dtype == torch.float32 else 2**-7
+            torch.testing.assert_close(y_mm.float(), y.to(mm_dtype).float(), rtol=ulp, atol=0)
+            got = torch.autograd.grad(got_loss, params)
             for name, g, w in zip(("a", "bias", "residual", "gamma", "beta"), got, want):
                 assert g.dtype == w.dtype, name
                 tol = dict(rtol=1.6e-2, atol=1e-2) if name == "a" and a_dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
