@@ -93,15 +93,20 @@ ATTN_PATHS = ("torch", "naive", "triton", "fused")
 # embeddings' dropout (a multiply that Inductor fuses) and for the tests. At BERT-base's shape on an
 # H200 the kernel that wrote a mask took 10 us a dropout, and a compiled, graphed step is 0.3 ms
 # faster without the masks (25.9 against 25.7 ms, results/05_ab.log I), with 300 MB less memory.
-DROPOUT_BLOCKS = dict(ROWS=16, GROUPS=128, num_warps=4)  # a program of dropout_keep_kernel: rows x (8 x GROUPS) columns
+# Rows an add + LayerNorm kernel takes at once: one on the GPU. Triton's interpreter pays per operation
+# rather than per element, so there every kernel takes many rows at once and few programs run.
+ROWS_AT_ONCE = 1 if torch.cuda.is_available() else 32
+# a program of dropout_keep_kernel: ROWS rows x (8 x GROUPS) columns (8 rows: 11.3 us at BERT-base's shape
+# on an H200, against 13.0 for one and 11.8 for 16; results/05_ab.log K)
+DROPOUT_BLOCKS = dict(ROWS=8 if ROWS_AT_ONCE == 1 else ROWS_AT_ONCE, GROUPS=128, num_warps=4)
 
 
 @triton.jit
-def _keep(seed, row, first_group, n_cols, threshold, GROUPS: tl.constexpr):
-    """[GROUPS, 8] keep flags of columns c = 8 * (first_group + g) + j of one row: draw j of Philox call
-    row * cdiv(n_cols, 8) + first_group + g, kept when its 16 bits are >= threshold."""
-    g, j = tl.arange(0, GROUPS)[:, None], tl.arange(0, 8)[None, :]
-    w0, w1, w2, w3 = tl.randint4x(seed, row * tl.cdiv(n_cols, 8) + first_group + g)  # [GROUPS, 1] each
+def _keep(seed, rows, first_group, n_cols, threshold, GROUPS: tl.constexpr):
+    """[ROWS, GROUPS, 8] keep flags of columns c = 8 * (first_group + g) + j of rows [ROWS, 1, 1]: draw j
+    of Philox call row * cdiv(n_cols, 8) + first_group + g, kept when its 16 bits are >= threshold."""
+    g, j = tl.arange(0, GROUPS)[None, :, None], tl.arange(0, 8)[None, None, :]
+    w0, w1, w2, w3 = tl.randint4x(seed, rows * tl.cdiv(n_cols, 8) + first_group + g)  # [ROWS, GROUPS, 1] each
     word = tl.where(j < 4, tl.where(j < 2, w0, w1), tl.where(j < 6, w2, w3))
     bits = tl.where(j % 2 == 0, word & 0xFFFF, word >> 16)
     return bits.to(tl.int32) >= threshold
@@ -109,8 +114,8 @@ def _keep(seed, row, first_group, n_cols, threshold, GROUPS: tl.constexpr):
 
 @triton.jit
 def _row_columns(GROUPS: tl.constexpr):
-    """Column indices 8 * g + j of a [GROUPS, 8] tile: the layout of _keep's flags."""
-    return 8 * tl.arange(0, GROUPS)[:, None] + tl.arange(0, 8)[None, :]
+    """Column indices 8 * g + j of a [1, GROUPS, 8] tile: the layout of _keep's flags."""
+    return 8 * tl.arange(0, GROUPS)[None, :, None] + tl.arange(0, 8)[None, None, :]
 
 
 @triton.jit
@@ -118,10 +123,9 @@ def dropout_keep_kernel(seed_ptr, keep_ptr, n_rows, n_cols, threshold, ROWS: tl.
     """keep [n_rows, n_cols]: ROWS rows from ROWS * pid0, 8 * GROUPS columns from 8 * GROUPS * pid1."""
     seed, first_group = tl.load(seed_ptr), tl.program_id(1) * GROUPS
     cols = 8 * first_group + _row_columns(GROUPS)
-    for i in range(ROWS):
-        row = tl.program_id(0) * ROWS + i
-        tl.store(keep_ptr + row.to(tl.int64) * n_cols + cols, _keep(seed, row, first_group, n_cols, threshold, GROUPS),
-                 mask=cols < tl.where(row < n_rows, n_cols, 0))
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None, None]
+    tl.store(keep_ptr + rows.to(tl.int64) * n_cols + cols, _keep(seed, rows, first_group, n_cols, threshold, GROUPS),
+             mask=(cols < n_cols) & (rows < n_rows))
 
 
 def _check_dropout_size(numel):
@@ -136,8 +140,9 @@ def dropout_keep(seed: torch.Tensor, shape: List[int], threshold: int) -> torch.
     keep = torch.empty(shape, dtype=torch.bool, device=seed.device)
     _check_dropout_size(keep.numel())
     if keep.numel():
-        n_cols, (rows, groups) = shape[-1], (DROPOUT_BLOCKS[k] for k in ("ROWS", "GROUPS"))
-        groups = min(groups, triton.next_power_of_2(triton.cdiv(n_cols, 8)))
+        n_cols = shape[-1]
+        groups = min(DROPOUT_BLOCKS["GROUPS"], triton.next_power_of_2(triton.cdiv(n_cols, 8)))
+        rows = DROPOUT_BLOCKS["ROWS"]
         grid = (triton.cdiv(keep.numel() // n_cols, rows), triton.cdiv(n_cols, 8 * groups))
         dropout_keep_kernel[grid](seed, keep, keep.numel() // n_cols, n_cols, threshold, ROWS=rows, GROUPS=groups,
                                   num_warps=DROPOUT_BLOCKS["num_warps"])
@@ -249,9 +254,9 @@ def bias_gelu_bwd_kernel(dg_ptr, h_ptr, bias_ptr, dh_ptr, partial_ptr, n_rows, n
 @triton.jit
 def add_norm_fwd_kernel(a_ptr, bias_ptr, residual_ptr, seed_ptr, gamma_ptr, beta_ptr, y_ptr, y_mm_ptr, xhat_ptr,
                         rstd_ptr, n_rows, n_cols, rows_per_program, threshold, scale, eps, HAS_DROPOUT: tl.constexpr,
-                        HAS_MM: tl.constexpr, GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr):
+                        HAS_MM: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr):
     """y = LayerNorm(z), z = (a + bias) * keep * scale + residual, keep drawn from the seed (_keep), for
-    one band of rows, a row at a time (8 * GROUPS >= n_cols): y in its dtype and (HAS_MM) rounded to
+    one band of rows, ROWS at a time (8 * GROUPS >= n_cols): y in its dtype and (HAS_MM) rounded to
     y_mm's, and for the backward xhat = (z - mean) * rstd and rstd."""
     band, cols = tl.program_id(0), _row_columns(GROUPS)
     ok = cols < n_cols
@@ -261,33 +266,36 @@ def add_norm_fwd_kernel(a_ptr, bias_ptr, residual_ptr, seed_ptr, gamma_ptr, beta
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)
     first = band * rows_per_program
+    n_band = tl.minimum(rows_per_program, n_rows - first)
     start = first.to(tl.int64) * n_cols  # the band's first element; offsets within a band are int32
     a_ptr, residual_ptr, xhat_ptr = a_ptr + start, residual_ptr + start, xhat_ptr + start
     y_ptr, y_mm_ptr, rstd_ptr = y_ptr + start, y_mm_ptr + start, rstd_ptr + first
-    for row in tl.range(0, tl.minimum(rows_per_program, n_rows - first), num_stages=NUM_STAGES):
-        offs = row * n_cols + cols
-        branch = (tl.load(a_ptr + offs, mask=ok, other=0.0).to(tl.float32) + bias) * scale
+    for row0 in tl.range(0, n_band, ROWS, num_stages=NUM_STAGES):
+        rows = row0 + tl.arange(0, ROWS)
+        row_ok = rows < n_band
+        offs, in_row = rows[:, None, None] * n_cols + cols, ok & row_ok[:, None, None]
+        branch = (tl.load(a_ptr + offs, mask=in_row, other=0.0).to(tl.float32) + bias) * scale
         if HAS_DROPOUT:
-            branch = tl.where(_keep(seed, first + row, 0, n_cols, threshold, GROUPS), branch, 0.0)
-        z = branch + tl.load(residual_ptr + offs, mask=ok, other=0.0).to(tl.float32)  # 0 past n_cols
-        mean = tl.sum(tl.sum(z, 1), 0) / n_cols
-        centred = tl.where(ok, z - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(centred * centred, 1), 0) / n_cols + eps)
-        xhat = centred * rstd
+            branch = tl.where(_keep(seed, first + rows[:, None, None], 0, n_cols, threshold, GROUPS), branch, 0.0)
+        z = branch + tl.load(residual_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
+        mean = tl.sum(tl.sum(z, 2), 1) / n_cols
+        centred = tl.where(ok, z - mean[:, None, None], 0.0)  # 0 past n_cols
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(centred * centred, 2), 1) / n_cols + eps)
+        xhat = centred * rstd[:, None, None]
         y = xhat * gamma + beta
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=in_row)
         if HAS_MM:
-            tl.store(y_mm_ptr + offs, y.to(y_mm_ptr.dtype.element_ty), mask=ok)
-        tl.store(xhat_ptr + offs, xhat, mask=ok)
-        tl.store(rstd_ptr + row, rstd)
+            tl.store(y_mm_ptr + offs, y.to(y_mm_ptr.dtype.element_ty), mask=in_row)
+        tl.store(xhat_ptr + offs, xhat, mask=in_row)
+        tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
 
 @triton.jit
 def add_norm_bwd_kernel(dy_ptr, dy_mm_ptr, xhat_ptr, rstd_ptr, seed_ptr, gamma_ptr, dz_ptr, da_ptr, partial_ptr,
                         n_rows, n_cols, rows_per_program, threshold, scale, HAS_DY: tl.constexpr,
-                        HAS_DY_MM: tl.constexpr, HAS_DROPOUT: tl.constexpr, GROUPS: tl.constexpr,
+                        HAS_DY_MM: tl.constexpr, HAS_DROPOUT: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr,
                         NUM_STAGES: tl.constexpr):
-    """The backward of add_norm_fwd_kernel for one band of rows, a row at a time: dz (the residual's
+    """The backward of add_norm_fwd_kernel for one band of rows, ROWS at a time: dz (the residual's
     gradient), da = dz * keep * scale (keep drawn again from the seed), and the band's column sums of
     dy * xhat, dy and da. dy is the sum of the two outputs' gradients."""
     band, cols = tl.program_id(0), _row_columns(GROUPS)
@@ -295,33 +303,37 @@ def add_norm_bwd_kernel(dy_ptr, dy_mm_ptr, xhat_ptr, rstd_ptr, seed_ptr, gamma_p
     gamma = tl.load(gamma_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)
-    sum_dgamma = tl.zeros((GROUPS, 8), tl.float32)
-    sum_dbeta = tl.zeros((GROUPS, 8), tl.float32)
-    sum_dbias = tl.zeros((GROUPS, 8), tl.float32)
+    sum_dgamma = tl.zeros((1, GROUPS, 8), tl.float32)
+    sum_dbeta = tl.zeros((1, GROUPS, 8), tl.float32)
+    sum_dbias = tl.zeros((1, GROUPS, 8), tl.float32)
     first = band * rows_per_program
+    n_band = tl.minimum(rows_per_program, n_rows - first)
     start = first.to(tl.int64) * n_cols
     dy_ptr, dy_mm_ptr, xhat_ptr = dy_ptr + start, dy_mm_ptr + start, xhat_ptr + start
     dz_ptr, da_ptr, rstd_ptr = dz_ptr + start, da_ptr + start, rstd_ptr + first
-    # the loads of the next rows are issued while this one is worked on (NUM_STAGES rows in flight)
-    for row in tl.range(0, tl.minimum(rows_per_program, n_rows - first), num_stages=NUM_STAGES):
-        offs = row * n_cols + cols
-        dy = tl.zeros((GROUPS, 8), tl.float32)
+    # the loads of the next rows are issued while these are worked on (NUM_STAGES iterations in flight)
+    for row0 in tl.range(0, n_band, ROWS, num_stages=NUM_STAGES):
+        rows = row0 + tl.arange(0, ROWS)
+        row_ok = rows < n_band
+        offs, in_row = rows[:, None, None] * n_cols + cols, ok & row_ok[:, None, None]
+        dy = tl.zeros((ROWS, GROUPS, 8), tl.float32)
         if HAS_DY:
-            dy += tl.load(dy_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            dy += tl.load(dy_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
         if HAS_DY_MM:
-            dy += tl.load(dy_mm_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        xhat = tl.load(xhat_ptr + offs, mask=ok, other=0.0)
-        g = dy * gamma  # 0 past n_cols, as is xhat
-        mean_g, mean_gx = tl.sum(tl.sum(g, 1), 0) / n_cols, tl.sum(tl.sum(g * xhat, 1), 0) / n_cols
-        dz = (g - mean_g - xhat * mean_gx) * tl.load(rstd_ptr + row)
-        tl.store(dz_ptr + offs, dz, mask=ok)
+            dy += tl.load(dy_mm_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
+        xhat = tl.load(xhat_ptr + offs, mask=in_row, other=0.0)
+        g = dy * gamma  # 0 past n_cols and past the band, as is xhat
+        mean_g, mean_gx = tl.sum(tl.sum(g, 2), 1) / n_cols, tl.sum(tl.sum(g * xhat, 2), 1) / n_cols
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)  # 0 past the band: so are dz and da
+        dz = (g - mean_g[:, None, None] - xhat * mean_gx[:, None, None]) * rstd[:, None, None]
+        tl.store(dz_ptr + offs, dz, mask=in_row)
         da = dz * scale
         if HAS_DROPOUT:
-            da = tl.where(_keep(seed, first + row, 0, n_cols, threshold, GROUPS), da, 0.0)
-        tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=ok)
-        sum_dgamma += dy * xhat
-        sum_dbeta += dy
-        sum_dbias += da  # (past n_cols: -mean_g * rstd, never stored)
+            da = tl.where(_keep(seed, first + rows[:, None, None], 0, n_cols, threshold, GROUPS), da, 0.0)
+        tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=in_row)
+        sum_dgamma += tl.sum(dy * xhat, 0, keep_dims=True)
+        sum_dbeta += tl.sum(dy, 0, keep_dims=True)
+        sum_dbias += tl.sum(da, 0, keep_dims=True)  # (past n_cols: -mean_g * rstd, never stored)
     partial = partial_ptr + band * 3 * n_cols + cols
     tl.store(partial, sum_dgamma, mask=ok)
     tl.store(partial + n_cols, sum_dbeta, mask=ok)
@@ -379,15 +391,15 @@ bias_gelu_backward.register_fake(lambda dg, h, bias: _bias_gelu_outputs(h))
 
 
 def _add_norm_bands(n_rows, blocks):
-    """(rows per program, programs) of an add + LayerNorm kernel."""
-    rows = max(1, triton.cdiv(n_rows, blocks["bands"]))
+    """(rows per program, programs) of an add + LayerNorm kernel; the interpreter runs at most 4 programs."""
+    rows = max(1, triton.cdiv(n_rows, blocks["bands"] if ROWS_AT_ONCE == 1 else 4))
     return rows, triton.cdiv(n_rows, rows)
 
 
 def _add_norm_launch(n_cols, blocks):
     """An add + LayerNorm kernel's tile and launch arguments for rows of n_cols."""
-    return dict(GROUPS=triton.next_power_of_2(triton.cdiv(n_cols, 8)), NUM_STAGES=blocks["NUM_STAGES"],
-                num_warps=blocks["num_warps"])
+    return dict(ROWS=ROWS_AT_ONCE, GROUPS=triton.next_power_of_2(triton.cdiv(n_cols, 8)),
+                NUM_STAGES=blocks["NUM_STAGES"], num_warps=blocks["num_warps"])
 
 
 def _add_norm_outputs(a, bias, residual, mm_dtype):
