@@ -191,11 +191,15 @@ class Dropout(nn.Dropout):
 # summed into a float32 tensor first, 100 MB more a block). What this saves, and the tiles' sweep:
 # results/05_ab.log.
 # AddNorm's forward is a kernel too, a row at a time like its backward, so that both draw dropout's
-# mask from the seed (above) instead of writing and reading it. It moves what Inductor's fused
-# kernel moved but the mask (a and the residual in; y twice, xhat = (z - mean) * rstd and rstd out:
-# 201 MB at BERT-base's shape), in 52 us where Inductor's took 55 on an H200, plus 10 for the mask's
-# kernel; a copy of as many bytes takes 49 (results/05_ab.log I). It wants more programs than the
-# backward, whose programs each add a row of partial sums for the caller to sum.
+# mask from the seed (above) instead of writing and reading it. It reads a and the residual and
+# writes y twice, xhat = (z - mean) * rstd and rstd: 14 bytes an element, 176 MB at BERT-base's
+# shape, in 47 us on an H200 (Inductor's kernel, with the mask and xhat in float32, took 55, plus 10
+# for the mask's kernel; results/05_ab.log I and K). It wants more programs than the backward, whose
+# programs each add a row of partial sums for the caller to sum.
+# xhat is saved in the matmuls' dtype (bf16 under autocast), as TransformerEngine saves a bf16
+# LayerNorm's input: the backward's gradients carry bf16's rounding of xhat (a relative 2^-9), and
+# each kernel moves 2 bytes an element less than with float32 (forward 53 -> 47 us, backward 59 ->
+# 56, a compiled, graphed step 0.17 ms faster on an H200, with 24 x 25 MB less memory: K).
 # GELU's forward is a kernel too, though Inductor would fuse it (with nothing: a matmul on either
 # side). Both kernels are bound by instructions rather than bytes, and the costliest is erf:
 # libdevice's erff picks one of two polynomials by |x|, and a warp whose elements fall on both sides
@@ -257,7 +261,7 @@ def add_norm_fwd_kernel(a_ptr, bias_ptr, residual_ptr, seed_ptr, gamma_ptr, beta
                         HAS_MM: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr):
     """y = LayerNorm(z), z = (a + bias) * keep * scale + residual, keep drawn from the seed (_keep), for
     one band of rows, ROWS at a time (8 * GROUPS >= n_cols): y in its dtype and (HAS_MM) rounded to
-    y_mm's, and for the backward xhat = (z - mean) * rstd and rstd."""
+    y_mm's, and for the backward xhat = (z - mean) * rstd (in xhat's dtype) and rstd."""
     band, cols = tl.program_id(0), _row_columns(GROUPS)
     ok = cols < n_cols
     bias = tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
@@ -286,7 +290,7 @@ def add_norm_fwd_kernel(a_ptr, bias_ptr, residual_ptr, seed_ptr, gamma_ptr, beta
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=in_row)
         if HAS_MM:
             tl.store(y_mm_ptr + offs, y.to(y_mm_ptr.dtype.element_ty), mask=in_row)
-        tl.store(xhat_ptr + offs, xhat, mask=in_row)
+        tl.store(xhat_ptr + offs, xhat.to(xhat_ptr.dtype.element_ty), mask=in_row)
         tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
 
@@ -321,7 +325,7 @@ def add_norm_bwd_kernel(dy_ptr, dy_mm_ptr, xhat_ptr, rstd_ptr, seed_ptr, gamma_p
             dy += tl.load(dy_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
         if HAS_DY_MM:
             dy += tl.load(dy_mm_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
-        xhat = tl.load(xhat_ptr + offs, mask=in_row, other=0.0)
+        xhat = tl.load(xhat_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
         g = dy * gamma  # 0 past n_cols and past the band, as is xhat
         mean_g, mean_gx = tl.sum(tl.sum(g, 2), 1) / n_cols, tl.sum(tl.sum(g * xhat, 2), 1) / n_cols
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)  # 0 past the band: so are dz and da
@@ -403,11 +407,11 @@ def _add_norm_launch(n_cols, blocks):
 
 
 def _add_norm_outputs(a, bias, residual, mm_dtype):
-    """Empty (y, y in mm_dtype (no elements when that is y's dtype), xhat in float32, rstd in float32)."""
+    """Empty (y, y in mm_dtype (no elements when that is y's dtype), xhat in mm_dtype, rstd in float32)."""
     y_dtype = torch.promote_types(torch.promote_types(a.dtype, bias.dtype), residual.dtype)
     new = lambda shape, dtype: torch.empty(shape, dtype=dtype, device=residual.device)  # noqa: E731
     return (new(residual.shape, y_dtype), new(residual.shape if mm_dtype != y_dtype else (0,), mm_dtype),
-            new(residual.shape, torch.float32), new(residual.shape[:-1], torch.float32))
+            new(residual.shape, mm_dtype), new(residual.shape[:-1], torch.float32))
 
 
 @torch.library.custom_op("roformer_mlm::add_norm", mutates_args=())
@@ -441,8 +445,8 @@ def add_norm_backward(dy: Optional[torch.Tensor], dy_mm: Optional[torch.Tensor],
     n_cols = xhat.shape[-1]
     n_rows = xhat.numel() // n_cols
     rows, bands = _add_norm_bands(n_rows, ADD_NORM_BWD_BLOCKS)
-    dz, da = (torch.empty(xhat.shape, dtype=dtype, device=xhat.device) for dtype in (xhat.dtype, a_dtype))
-    partial = xhat.new_empty(bands, 3, n_cols)
+    dz, da = (torch.empty(xhat.shape, dtype=dtype, device=xhat.device) for dtype in (rstd.dtype, a_dtype))
+    partial = rstd.new_empty(bands, 3, n_cols)
     present = dict(HAS_DY=dy is not None, HAS_DY_MM=dy_mm is not None, HAS_DROPOUT=seed is not None)
     dy, dy_mm, seed = (t.contiguous() if t is not None else xhat for t in (dy, dy_mm, seed))  # (xhat: never read)
     if n_rows:
@@ -455,8 +459,8 @@ def add_norm_backward(dy: Optional[torch.Tensor], dy_mm: Optional[torch.Tensor],
 @add_norm_backward.register_fake
 def _(dy, dy_mm, xhat, rstd, seed, threshold, gamma, scale, a_dtype):
     n_cols = xhat.shape[-1]
-    return (torch.empty(xhat.shape, dtype=a_dtype, device=xhat.device), torch.empty_like(xhat),
-            xhat.new_empty(_add_norm_bands(xhat.numel() // n_cols, ADD_NORM_BWD_BLOCKS)[1], 3, n_cols))
+    return (torch.empty(xhat.shape, dtype=a_dtype, device=xhat.device), torch.empty_like(xhat, dtype=rstd.dtype),
+            rstd.new_empty(_add_norm_bands(xhat.numel() // n_cols, ADD_NORM_BWD_BLOCKS)[1], 3, n_cols))
 
 
 class BiasGELU(torch.autograd.Function):

@@ -192,14 +192,19 @@ def test_add_norm_and_bias_gelu_kernels(a_dtype, compiled):
             y, y_mm, got_loss = ours(seed, threshold, scale, use_mm)
             torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
             assert y.dtype == torch.float32 and y_mm.dtype == mm_dtype
+            xhat = train.add_norm(a, bias, residual, seed, threshold, scale, gamma, beta, 1e-12, mm_dtype)[2]
+            assert xhat.dtype == mm_dtype  # saved for the backward in the matmuls' dtype
             # y_mm is y rounded; Triton's interpreter (Triton 3.9) truncates float32 to bf16: one unit off at most
             ulp = 0 if ON_GPU or mm_dtype == torch.float32 else 2**-7
             torch.testing.assert_close(y_mm.float(), y.to(mm_dtype).float(), rtol=ulp, atol=0)
             got = torch.autograd.grad(got_loss, params)
             for name, g, w in zip(("a", "bias", "residual", "gamma", "beta"), got, want):
                 assert g.dtype == w.dtype, name
-                tol = dict(rtol=1.6e-2, atol=1e-2) if name == "a" and a_dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
-                torch.testing.assert_close(g, w, **tol, msg=name)
+                if a_dtype == torch.bfloat16:  # da is rounded to bf16 and the kernels save xhat in bf16
+                    # (2^-9 relative an element; sums over rows cancel): within 1% of the largest entry
+                    assert (g - w).abs().max() <= 1e-2 * w.abs().max(), name
+                else:
+                    torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=name)
     h = torch.randn(rows, 3 * n + 5, device=DEVICE, dtype=a_dtype, requires_grad=True)
     gelu_bias, dg = torch.randn(3 * n + 5, device=DEVICE, requires_grad=True), torch.randn(rows, 3 * n + 5, device=DEVICE)
     bias_gelu = lambda: (train.BiasGELU.apply(h, gelu_bias).float() * dg).sum()  # noqa: E731
