@@ -193,13 +193,13 @@ class Dropout(nn.Dropout):
 # AddNorm's forward is a kernel too, a row at a time like its backward, so that both draw dropout's
 # mask from the seed (above) instead of writing and reading it. It reads a and the residual and
 # writes y twice, xhat = (z - mean) * rstd and rstd: 14 bytes an element, 176 MB at BERT-base's
-# shape, in 47 us on an H200 (Inductor's kernel, with the mask and xhat in float32, took 55, plus 10
+# shape, in 46 us on an H200 (Inductor's kernel, with the mask and xhat in float32, took 55, plus 10
 # for the mask's kernel; results/05_ab.log I and K). It wants more programs than the backward, whose
 # programs each add a row of partial sums for the caller to sum.
 # xhat is saved in the matmuls' dtype (bf16 under autocast), as TransformerEngine saves a bf16
 # LayerNorm's input: the backward's gradients carry bf16's rounding of xhat (a relative 2^-9), and
-# each kernel moves 2 bytes an element less than with float32 (forward 53 -> 47 us, backward 59 ->
-# 56, a compiled, graphed step 0.17 ms faster on an H200, with 24 x 25 MB less memory: K).
+# each kernel moves 2 bytes an element less than with float32 (forward 53 -> 46 us, backward 58 ->
+# 55, a compiled, graphed step 0.17 ms faster on an H200, with 24 x 25 MB less memory: K).
 # GELU's forward is a kernel too, though Inductor would fuse it (with nothing: a matmul on either
 # side). Both kernels are bound by instructions rather than bytes, and the costliest is erf:
 # libdevice's erff picks one of two polynomials by |x|, and a warp whose elements fall on both sides
