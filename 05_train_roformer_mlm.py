@@ -23,8 +23,9 @@ In this tutorial, you will learn about:
   eight elements per Philox call, where Inductor's dropout makes one call per element, inside
   add-and-LayerNorm kernels that draw the mask again in the backward rather than store it;
   backward kernels for the GELU and the add-and-LayerNorm blocks that sum the bias and LayerNorm
-  gradients as they make them, where Inductor reads the gradients again; and GELU's erf as a
-  branch-free fit;
+  gradients as they make them, where Inductor reads the gradients again; GELU's erf as a
+  branch-free fit; the residual stream in bf16; and the MLM loss as two kernels, an online softmax
+  over the vocabulary and its gradient;
 * why a model trains at the pace of Python rather than the GPU, and ``--cuda-graphs`` (on with a
   GPU): the encoder's forward and backward, compiled, replayed from two CUDA graphs (and the trap
   such graphs set for gradient accumulation).
@@ -186,20 +187,27 @@ class Dropout(nn.Dropout):
 # - dense, then bias + GELU: the matmul runs without its bias; the backward writes dh and sums it;
 # - dense, then bias, dropout, the residual and LayerNorm (AddNorm): one kernel for the backward
 #   of all four, with three column sums (LayerNorm's weight and bias, the dense layer's bias).
-# AddNorm returns its output twice, in float32 for the residual and rounded for the next matmul: the
-# two gradients then arrive apart and the kernel adds them as it reads them (one output's would be
-# summed into a float32 tensor first, 100 MB more a block). What this saves, and the tiles' sweep:
-# results/05_ab.log.
+# The residual stream (AddNorm's output: the next block's residual and the next matmul's input) is
+# kept in the matmuls' dtype, bf16 under autocast, as Megatron-LM keeps it (fp32_residual_connection
+# is off by default there); Hugging Face's model under autocast keeps it in float32, the dtype of
+# LayerNorm's output. Every element is still added and normalized in float32 inside the kernels:
+# what changes is that the residual and its gradient are rounded to bf16 between blocks, as the
+# matmuls' copy already was. AddNorm returns y twice, the second a view of the first, for the
+# residual and for the next matmul: autograd then hands the backward the two gradients apart and
+# the kernel adds them as it reads them (one tensor used twice would have its two gradients summed
+# by autograd first, in a kernel of its own: 75 MB more a block).
 # AddNorm's forward is a kernel too, a row at a time like its backward, so that both draw dropout's
 # mask from the seed (above) instead of writing and reading it. It reads a and the residual and
-# writes y twice, xhat = (z - mean) * rstd and rstd: 14 bytes an element, 176 MB at BERT-base's
-# shape, in 46 us on an H200 (Inductor's kernel, with the mask and xhat in float32, took 55, plus 10
-# for the mask's kernel; results/05_ab.log I and K). It wants more programs than the backward, whose
-# programs each add a row of partial sums for the caller to sum.
-# xhat is saved in the matmuls' dtype (bf16 under autocast), as TransformerEngine saves a bf16
-# LayerNorm's input: the backward's gradients carry bf16's rounding of xhat (a relative 2^-9), and
-# each kernel moves 2 bytes an element less than with float32 (forward 53 -> 46 us, backward 58 ->
-# 55, a compiled, graphed step 0.17 ms faster on an H200, with 24 x 25 MB less memory: K).
+# writes y, xhat = (z - mean) * rstd and rstd: 8 bytes an element, 100 MB at BERT-base's shape, in
+# 33 us on an H200; the backward reads two gradients and xhat and writes two, in 49 us. With a
+# float32 stream, which also wrote y rounded for the matmul, they moved 14 bytes an element each, in
+# 46 and 55 us, and a compiled, graphed step took 0.4-0.6 ms longer (with the masked rows' number
+# dynamic, as training runs, 0.8 ms: results/05_ab.log N); Inductor's forward, with the mask and
+# xhat in float32, took 55 us plus 10 for the mask's kernel (I and K). It wants more programs than
+# the backward, whose programs each add a row of partial sums for the caller to sum.
+# xhat is saved in the matmuls' dtype too, as TransformerEngine saves a bf16 LayerNorm's input: the
+# backward's gradients carry bf16's rounding of xhat (a relative 2^-9), and each kernel moves 2
+# bytes an element less than with float32 (K).
 # GELU's forward is a kernel too, though Inductor would fuse it (with nothing: a matmul on either
 # side). Both kernels are bound by instructions rather than bytes, and the costliest is erf:
 # libdevice's erff picks one of two polynomials by |x|, and a warp whose elements fall on both sides
@@ -256,12 +264,12 @@ def bias_gelu_bwd_kernel(dg_ptr, h_ptr, bias_ptr, dh_ptr, partial_ptr, n_rows, n
 
 
 @triton.jit
-def add_norm_fwd_kernel(a_ptr, bias_ptr, residual_ptr, seed_ptr, gamma_ptr, beta_ptr, y_ptr, y_mm_ptr, xhat_ptr,
-                        rstd_ptr, n_rows, n_cols, rows_per_program, threshold, scale, eps, HAS_DROPOUT: tl.constexpr,
-                        HAS_MM: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr):
+def add_norm_fwd_kernel(a_ptr, bias_ptr, residual_ptr, seed_ptr, gamma_ptr, beta_ptr, y_ptr, xhat_ptr, rstd_ptr,
+                        n_rows, n_cols, rows_per_program, threshold, scale, eps, HAS_DROPOUT: tl.constexpr,
+                        ROWS: tl.constexpr, GROUPS: tl.constexpr, NUM_STAGES: tl.constexpr):
     """y = LayerNorm(z), z = (a + bias) * keep * scale + residual, keep drawn from the seed (_keep), for
-    one band of rows, ROWS at a time (8 * GROUPS >= n_cols): y in its dtype and (HAS_MM) rounded to
-    y_mm's, and for the backward xhat = (z - mean) * rstd (in xhat's dtype) and rstd."""
+    one band of rows, ROWS at a time (8 * GROUPS >= n_cols), computed in float32: y, and for the
+    backward xhat = (z - mean) * rstd and rstd, each stored in its tensor's dtype."""
     band, cols = tl.program_id(0), _row_columns(GROUPS)
     ok = cols < n_cols
     bias = tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
@@ -273,7 +281,7 @@ def add_norm_fwd_kernel(a_ptr, bias_ptr, residual_ptr, seed_ptr, gamma_ptr, beta
     n_band = tl.minimum(rows_per_program, n_rows - first)
     start = first.to(tl.int64) * n_cols  # the band's first element; offsets within a band are int32
     a_ptr, residual_ptr, xhat_ptr = a_ptr + start, residual_ptr + start, xhat_ptr + start
-    y_ptr, y_mm_ptr, rstd_ptr = y_ptr + start, y_mm_ptr + start, rstd_ptr + first
+    y_ptr, rstd_ptr = y_ptr + start, rstd_ptr + first
     for row0 in tl.range(0, n_band, ROWS, num_stages=NUM_STAGES):
         rows = row0 + tl.arange(0, ROWS)
         row_ok = rows < n_band
@@ -286,10 +294,7 @@ def add_norm_fwd_kernel(a_ptr, bias_ptr, residual_ptr, seed_ptr, gamma_ptr, beta
         centred = tl.where(ok, z - mean[:, None, None], 0.0)  # 0 past n_cols
         rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(centred * centred, 2), 1) / n_cols + eps)
         xhat = centred * rstd[:, None, None]
-        y = xhat * gamma + beta
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=in_row)
-        if HAS_MM:
-            tl.store(y_mm_ptr + offs, y.to(y_mm_ptr.dtype.element_ty), mask=in_row)
+        tl.store(y_ptr + offs, (xhat * gamma + beta).to(y_ptr.dtype.element_ty), mask=in_row)
         tl.store(xhat_ptr + offs, xhat.to(xhat_ptr.dtype.element_ty), mask=in_row)
         tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
@@ -330,7 +335,7 @@ def add_norm_bwd_kernel(dy_ptr, dy_mm_ptr, xhat_ptr, rstd_ptr, seed_ptr, gamma_p
         mean_g, mean_gx = tl.sum(tl.sum(g, 2), 1) / n_cols, tl.sum(tl.sum(g * xhat, 2), 1) / n_cols
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)  # 0 past the band: so are dz and da
         dz = (g - mean_g[:, None, None] - xhat * mean_gx[:, None, None]) * rstd[:, None, None]
-        tl.store(dz_ptr + offs, dz, mask=in_row)
+        tl.store(dz_ptr + offs, dz.to(dz_ptr.dtype.element_ty), mask=in_row)
         da = dz * scale
         if HAS_DROPOUT:
             da = tl.where(_keep(seed, first + rows[:, None, None], 0, n_cols, threshold, GROUPS), da, 0.0)
@@ -406,61 +411,67 @@ def _add_norm_launch(n_cols, blocks):
                 NUM_STAGES=blocks["NUM_STAGES"], num_warps=blocks["num_warps"])
 
 
-def _add_norm_outputs(a, bias, residual, mm_dtype):
-    """Empty (y, y in mm_dtype (no elements when that is y's dtype), xhat in mm_dtype, rstd in float32)."""
-    y_dtype = torch.promote_types(torch.promote_types(a.dtype, bias.dtype), residual.dtype)
+def _add_norm_outputs(residual, dtype):
+    """Empty (y and xhat in dtype, rstd in float32)."""
     new = lambda shape, dtype: torch.empty(shape, dtype=dtype, device=residual.device)  # noqa: E731
-    return (new(residual.shape, y_dtype), new(residual.shape if mm_dtype != y_dtype else (0,), mm_dtype),
-            new(residual.shape, mm_dtype), new(residual.shape[:-1], torch.float32))
+    return new(residual.shape, dtype), new(residual.shape, dtype), new(residual.shape[:-1], torch.float32)
 
 
 @torch.library.custom_op("roformer_mlm::add_norm", mutates_args=())
 def add_norm(a: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, seed: Optional[torch.Tensor], threshold: int,
              scale: float, gamma: torch.Tensor, beta: torch.Tensor, eps: float,
-             mm_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, y rounded to mm_dtype, xhat, rstd) of y = LayerNorm((a + bias) * keep * scale + residual), keep
-    drawn from seed (None: no dropout) as dropout_keep draws it; a and residual [..., n]."""
-    y, y_mm, xhat, rstd = _add_norm_outputs(a, bias, residual, mm_dtype)
+             dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, xhat, rstd) of y = LayerNorm((a + bias) * keep * scale + residual), keep drawn from seed
+    (None: no dropout) as dropout_keep draws it, computed in float32; y and xhat in dtype; a and
+    residual [..., n]."""
+    y, xhat, rstd = _add_norm_outputs(residual, dtype)
     n_cols = residual.shape[-1]
     n_rows = residual.numel() // max(n_cols, 1)
     _check_dropout_size(residual.numel())
     if n_rows:
         rows, bands = _add_norm_bands(n_rows, ADD_NORM_FWD_BLOCKS)
         add_norm_fwd_kernel[(bands,)](
-            a.contiguous(), bias, residual.contiguous(), seed if seed is not None else bias, gamma, beta, y,
-            y_mm if y_mm.numel() else y, xhat, rstd, n_rows, n_cols, rows, threshold, scale, eps,
-            HAS_DROPOUT=seed is not None, HAS_MM=y_mm.numel() > 0, **_add_norm_launch(n_cols, ADD_NORM_FWD_BLOCKS))
-    return y, y_mm, xhat, rstd
+            a.contiguous(), bias, residual.contiguous(), seed if seed is not None else bias, gamma, beta, y, xhat, rstd,
+            n_rows, n_cols, rows, threshold, scale, eps, HAS_DROPOUT=seed is not None,
+            **_add_norm_launch(n_cols, ADD_NORM_FWD_BLOCKS))
+    return y, xhat, rstd
 
 
-add_norm.register_fake(lambda a, bias, residual, seed, threshold, scale, gamma, beta, eps, mm_dtype:
-                       _add_norm_outputs(a, bias, residual, mm_dtype))
+add_norm.register_fake(lambda a, bias, residual, seed, threshold, scale, gamma, beta, eps, dtype:
+                       _add_norm_outputs(residual, dtype))
+
+
+def _add_norm_grads(xhat, a_dtype, residual_dtype):
+    """Empty (da, dresidual, partial sums [bands, 3, n] in float32) of add_norm_backward."""
+    n_cols = xhat.shape[-1]
+    bands = _add_norm_bands(xhat.numel() // n_cols, ADD_NORM_BWD_BLOCKS)[1]
+    return (torch.empty(xhat.shape, dtype=a_dtype, device=xhat.device),
+            torch.empty(xhat.shape, dtype=residual_dtype, device=xhat.device),
+            torch.empty(bands, 3, n_cols, dtype=torch.float32, device=xhat.device))
 
 
 @torch.library.custom_op("roformer_mlm::add_norm_backward", mutates_args=())
 def add_norm_backward(dy: Optional[torch.Tensor], dy_mm: Optional[torch.Tensor], xhat: torch.Tensor,
                       rstd: torch.Tensor, seed: Optional[torch.Tensor], threshold: int, gamma: torch.Tensor,
-                      scale: float, a_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(da, dresidual, partial sums [bands, 3, n] of dgamma, dbeta and dbias in float32) of add_norm."""
+                      scale: float, a_dtype: torch.dtype,
+                      residual_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(da, dresidual, partial sums [bands, 3, n] of dgamma, dbeta and dbias in float32) of add_norm;
+    the gradient of y is dy + dy_mm (either may be None)."""
+    da, dz, partial = _add_norm_grads(xhat, a_dtype, residual_dtype)
     n_cols = xhat.shape[-1]
     n_rows = xhat.numel() // n_cols
-    rows, bands = _add_norm_bands(n_rows, ADD_NORM_BWD_BLOCKS)
-    dz, da = (torch.empty(xhat.shape, dtype=dtype, device=xhat.device) for dtype in (rstd.dtype, a_dtype))
-    partial = rstd.new_empty(bands, 3, n_cols)
     present = dict(HAS_DY=dy is not None, HAS_DY_MM=dy_mm is not None, HAS_DROPOUT=seed is not None)
     dy, dy_mm, seed = (t.contiguous() if t is not None else xhat for t in (dy, dy_mm, seed))  # (xhat: never read)
     if n_rows:
+        rows, bands = _add_norm_bands(n_rows, ADD_NORM_BWD_BLOCKS)
         add_norm_bwd_kernel[(bands,)](dy, dy_mm, xhat.contiguous(), rstd.contiguous(), seed, gamma, dz, da, partial,
                                       n_rows, n_cols, rows, threshold, scale, **present,
                                       **_add_norm_launch(n_cols, ADD_NORM_BWD_BLOCKS))
     return da, dz, partial
 
 
-@add_norm_backward.register_fake
-def _(dy, dy_mm, xhat, rstd, seed, threshold, gamma, scale, a_dtype):
-    n_cols = xhat.shape[-1]
-    return (torch.empty(xhat.shape, dtype=a_dtype, device=xhat.device), torch.empty_like(xhat, dtype=rstd.dtype),
-            rstd.new_empty(_add_norm_bands(xhat.numel() // n_cols, ADD_NORM_BWD_BLOCKS)[1], 3, n_cols))
+add_norm_backward.register_fake(lambda dy, dy_mm, xhat, rstd, seed, threshold, gamma, scale, a_dtype, residual_dtype:
+                                _add_norm_grads(xhat, a_dtype, residual_dtype))
 
 
 class BiasGELU(torch.autograd.Function):
@@ -481,23 +492,149 @@ class BiasGELU(torch.autograd.Function):
 
 class AddNormFunction(torch.autograd.Function):
     """y = LayerNorm((a + bias) * keep * scale + residual), a a matmul's output without its bias and
-    keep drawn from seed (None: no dropout); returns (y, y in mm_dtype) when mm_dtype is not y's,
-    else y. One kernel each way."""
+    keep drawn from seed (None: no dropout), y in dtype; returns (y, y) for the residual and the next
+    matmul, the second a view of the first. One kernel each way."""
 
     @staticmethod
-    def forward(ctx, a, bias, residual, seed, threshold, scale, gamma, beta, eps, mm_dtype):
-        y, y_mm, xhat, rstd = add_norm(a, bias, residual, seed, threshold, scale, gamma, beta, eps, mm_dtype)
-        ctx.set_materialize_grads(False)  # the rounded copy of the encoder's last output is not used
+    def forward(ctx, a, bias, residual, seed, threshold, scale, gamma, beta, eps, dtype):
+        y, xhat, rstd = add_norm(a, bias, residual, seed, threshold, scale, gamma, beta, eps, dtype)
+        ctx.set_materialize_grads(False)  # the encoder's last output has one consumer
         ctx.save_for_backward(xhat, rstd, seed, gamma)
-        ctx.threshold, ctx.scale, ctx.a_dtype = threshold, scale, a.dtype
-        return (y, y_mm) if mm_dtype != y.dtype else y
+        ctx.threshold, ctx.scale, ctx.a_dtype, ctx.residual_dtype = threshold, scale, a.dtype, residual.dtype
+        return y, y.view_as(y)
 
     @staticmethod
-    def backward(ctx, dy, dy_mm=None):
+    def backward(ctx, dy, dy_mm):
         xhat, rstd, seed, gamma = ctx.saved_tensors
-        da, dz, partial = add_norm_backward(dy, dy_mm, xhat, rstd, seed, ctx.threshold, gamma, ctx.scale, ctx.a_dtype)
+        da, dz, partial = add_norm_backward(dy, dy_mm, xhat, rstd, seed, ctx.threshold, gamma, ctx.scale, ctx.a_dtype,
+                                            ctx.residual_dtype)
         dgamma, dbeta, dbias = partial.sum(0).unbind(0)
         return da, dbias, dz, None, None, None, dgamma, dbeta, None, None
+
+
+# %%
+# The MLM loss: cross-entropy over the vocabulary, one row per masked token
+# --------------------------------------------------------------------------
+# Compiled, Inductor turns F.cross_entropy(logits.float()) and the accuracy's argmax into two
+# reductions over the rows of logits: at BERT-base's shape (2377 masked rows of 30528 bf16 logits,
+# 145 MB) they took 0.17 ms forward and 0.29-0.34 ms backward on an H200, about 1 TB/s. The loss
+# needs little: the forward reads each row once, keeping a running maximum and a running sum of
+# exponentials rescaled as the maximum grows (the online softmax of FlashAttention), and the argmax,
+# and writes three numbers a row (loss, log-sum-exp, argmax); the backward reads the row again and
+# writes its gradient, (softmax - one_hot(label)) * dloss, with softmax = exp(logit - lse), as the
+# cross-entropy kernels of flash-attention and Liger-Kernel do. Alone they take 73 and 89 us there,
+# where a copy of the logits takes 76 (the forward, a row per program, is bound by its loop rather
+# than by bytes: results/05_ab.log N). The columns past n_classes (the decoder's padding, below)
+# are no class: their gradient is 0. A label of IGNORE_INDEX (-100) counts for nothing, as in
+# F.cross_entropy; any other label outside [0, n_classes) gives a NaN loss (F.cross_entropy raises,
+# which needs the label on the host).
+IGNORE_INDEX = -100
+# Columns a program reads at a time (forward: a row per program; backward: a tile per program), from a sweep at
+# BERT-base's shape on an H200 (results/05_ab.log N).
+CROSS_ENTROPY_FWD_BLOCKS = dict(BLOCK=2048, num_warps=8)
+CROSS_ENTROPY_BWD_BLOCKS = dict(BLOCK=4096, num_warps=8)
+
+
+@triton.jit
+def cross_entropy_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, argmax_ptr, n_classes, n_cols, ignore_index,
+                             BLOCK: tl.constexpr):
+    """For one row: loss = lse - logits[label] (0 if the label is ignore_index, NaN if it is out of
+    range), lse = log(sum(exp(logits))) and the first column of the row's maximum, over n_classes.
+    Each lane keeps its own running maximum m, sum of exp(logit - m) and argmax, one exponential a
+    logit: exp(-|x - m|) is the new term if x <= m, else the factor for the old sum. The lanes meet once,
+    at the end."""
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * n_cols
+    cols = tl.arange(0, BLOCK)
+    m = tl.full([BLOCK], -3.4e38, tl.float32)  # finite: a lane with no logit yet adds exp(-inf) = 0, not NaN
+    sum_exp, first = tl.zeros([BLOCK], tl.float32), cols
+    for start in range(0, n_classes, BLOCK):
+        x = tl.load(row_ptr + start + cols, mask=start + cols < n_classes, other=float("-inf")).to(tl.float32)
+        bigger = x > m  # strictly: a lane keeps its first column of a tie
+        e = tl.exp(-tl.abs(x - m))
+        sum_exp = tl.where(bigger, sum_exp * e + 1.0, sum_exp + e)
+        first = tl.where(bigger, start + cols, first)
+        m = tl.maximum(m, x)
+    row_max = tl.max(m, 0)
+    lse = row_max + tl.log(tl.sum(sum_exp * tl.exp(m - row_max), 0))
+    label = tl.load(labels_ptr + row)
+    in_range = (label >= 0) & (label < n_classes)
+    picked = tl.load(row_ptr + label, mask=in_range, other=0.0).to(tl.float32)
+    tl.store(loss_ptr + row, tl.where(label == ignore_index, 0.0, tl.where(in_range, lse - picked, float("nan"))))
+    tl.store(lse_ptr + row, lse)
+    tl.store(argmax_ptr + row, tl.min(tl.where(m == row_max, first, n_classes), 0).to(tl.int64))
+
+
+@triton.jit
+def cross_entropy_bwd_kernel(dloss_ptr, logits_ptr, lse_ptr, labels_ptr, dlogits_ptr, n_classes, n_cols, ignore_index,
+                             BLOCK: tl.constexpr):
+    """One tile of a row of dlogits = (exp(logits - lse) - one_hot(label)) * dloss, 0 past n_classes
+    (up to n_cols) and in the rows whose label is ignore_index."""
+    row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    offs = row.to(tl.int64) * n_cols + cols
+    x = tl.load(logits_ptr + offs, mask=cols < n_classes, other=float("-inf")).to(tl.float32)
+    label = tl.load(labels_ptr + row)
+    scale = tl.where(label == ignore_index, 0.0, tl.load(dloss_ptr + row))
+    grad = (tl.exp(x - tl.load(lse_ptr + row)) - tl.where(cols == label, 1.0, 0.0)) * scale
+    tl.store(dlogits_ptr + offs, grad.to(dlogits_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+def _cross_entropy_outputs(logits):
+    """Empty (loss, lse, argmax) of cross_entropy, a number per row of logits [rows, n_cols]."""
+    rows = logits.shape[0]
+    return (logits.new_empty(rows, dtype=torch.float32), logits.new_empty(rows, dtype=torch.float32),
+            logits.new_empty(rows, dtype=torch.int64))
+
+
+@torch.library.custom_op("roformer_mlm::cross_entropy", mutates_args=())
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                  n_classes: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lse, argmax) of each row of logits [rows, n_cols] over its first n_classes columns, in
+    float32 (argmax int64), against labels [rows] (IGNORE_INDEX: loss 0)."""
+    if not 0 < n_classes <= logits.shape[-1]:
+        raise ValueError(f"n_classes must be in [1, {logits.shape[-1]}] (the logits' width), got {n_classes}")
+    loss, lse, argmax = _cross_entropy_outputs(logits)
+    if logits.shape[0]:
+        cross_entropy_fwd_kernel[(logits.shape[0],)](logits.contiguous(), labels.contiguous(), loss, lse, argmax,
+                                                     n_classes, logits.shape[1], IGNORE_INDEX,
+                                                     **CROSS_ENTROPY_FWD_BLOCKS)
+    return loss, lse, argmax
+
+
+cross_entropy.register_fake(lambda logits, labels, n_classes: _cross_entropy_outputs(logits))
+
+
+@torch.library.custom_op("roformer_mlm::cross_entropy_backward", mutates_args=())
+def cross_entropy_backward(dloss: torch.Tensor, logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor,
+                           n_classes: int) -> torch.Tensor:
+    """The gradient of cross_entropy's loss with respect to logits [rows, n_cols], given dloss [rows]."""
+    dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    if logits.numel():
+        grid = (logits.shape[0], triton.cdiv(logits.shape[1], CROSS_ENTROPY_BWD_BLOCKS["BLOCK"]))
+        cross_entropy_bwd_kernel[grid](dloss.contiguous(), logits.contiguous(), lse, labels.contiguous(), dlogits,
+                                       n_classes, logits.shape[1], IGNORE_INDEX, **CROSS_ENTROPY_BWD_BLOCKS)
+    return dlogits
+
+
+cross_entropy_backward.register_fake(lambda dloss, logits, lse, labels, n_classes: torch.empty_like(logits))
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """(loss, argmax) of each row of logits [rows, n_cols] over its first n_classes columns (see
+    cross_entropy); differentiable in the loss."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, n_classes):
+        loss, lse, argmax = cross_entropy(logits, labels, n_classes)
+        ctx.mark_non_differentiable(argmax)
+        ctx.save_for_backward(logits, lse, labels)
+        ctx.n_classes = n_classes
+        return loss, argmax
+
+    @staticmethod
+    def backward(ctx, dloss, dargmax):
+        logits, lse, labels = ctx.saved_tensors
+        return cross_entropy_backward(dloss, logits, lse, labels, ctx.n_classes), None, None
 
 
 # %%
@@ -579,8 +716,8 @@ class RoFormerSelfAttention(nn.Module):
 
 class AddNorm(nn.Module):
     """dense -> dropout -> add the residual -> LayerNorm (RoFormer's post-LN "output" blocks). Returns
-    (y, y for the next matmul): with own_kernels and autocast, the second is y rounded (see
-    AddNormFunction), else y itself."""
+    (y, y for the next matmul): with own_kernels, y in the matmuls' dtype and a view of it (see
+    AddNormFunction), else y itself twice."""
 
     def __init__(self, d_in, cfg, own_kernels=False):
         super().__init__()
@@ -597,9 +734,8 @@ class AddNorm(nn.Module):
         device = residual.device.type
         mm_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else residual.dtype
         norm = self.LayerNorm
-        y = AddNormFunction.apply(F.linear(x, self.dense.weight), self.dense.bias, residual, seed, threshold, scale,
-                                  norm.weight, norm.bias, norm.eps, mm_dtype)
-        return y if isinstance(y, tuple) else (y, y)
+        return AddNormFunction.apply(F.linear(x, self.dense.weight), self.dense.bias, residual, seed, threshold, scale,
+                                     norm.weight, norm.bias, norm.eps, mm_dtype)
 
 
 class RoFormerLayer(nn.Module):
@@ -615,7 +751,7 @@ class RoFormerLayer(nn.Module):
         self.own_kernels = own_kernels
 
     def forward(self, x, freqs, mask, x_mm=None):
-        """x: the layer's input; x_mm: the same, rounded for the matmuls (AddNorm's second output), or None."""
+        """x: the layer's input; x_mm: the same for the matmuls (AddNorm's second output), or None."""
         x_mm = x if x_mm is None else x_mm
         x, x_mm = self.attention.output(self.attention.self(x_mm, freqs, mask), x)
         dense = self.intermediate.dense
@@ -651,7 +787,8 @@ def capture_cuda_graphs(model, batch_size, seq_len, compiled=False):
     Triton's launcher): a small model waits for the host, and a replay issues the encoder's hundreds
     of kernels in one call. Graphs keep the shapes they were captured with: batches with padding,
     evaluation and other shapes run the layers as usual, on the same weights."""
-    shape, dtype = (batch_size, seq_len, model.cfg.hidden_size), torch.float32  # a LayerNorm's output under autocast
+    shape = (batch_size, seq_len, model.cfg.hidden_size)
+    dtype = torch.bfloat16 if model.own_kernels else torch.float32  # the embeddings' output under autocast
     rng = torch.cuda.get_rng_state()
     sample = torch.zeros(shape, device=model.freqs.device, dtype=dtype, requires_grad=True)
     # The warm-up passes run on a side stream and make the parameters' AccumulateGrad nodes there; recent PyTorch
@@ -691,6 +828,7 @@ class RoFormerForMaskedLM(nn.Module):
         if attn not in ATTN_PATHS:
             raise ValueError(f"attn must be one of {ATTN_PATHS}, got {attn!r}")
         self.cfg, emb = cfg, cfg.embedding_size or cfg.hidden_size
+        self.own_kernels = attn != "torch"
         self.roformer = nn.Module()
         e = self.roformer.embeddings = nn.Module()
         e.word_embeddings = nn.Embedding(cfg.vocab_size, emb, padding_idx=cfg.pad_token_id)
@@ -727,11 +865,22 @@ class RoFormerForMaskedLM(nn.Module):
         if s > self.freqs.shape[0]:
             raise ValueError(f"sequence length {s} is over max_position_embeddings = {self.freqs.shape[0]}")
         e = self.roformer.embeddings
-        x = e.word_embeddings(input_ids) + e.token_type_embeddings(
-            token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids))
+        types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
+        table = e.token_type_embeddings.weight
+        if self.own_kernels and table.shape[0] <= 8:
+            # BERT has two token types. An embedding's backward adds each token's gradient onto its row of
+            # the table with atomics: at BERT-base's shape all 16384 onto the same 768 addresses, one after
+            # the other. As a sum of rows where the type matches, the rows' gradients are column sums: the
+            # embeddings' backward took 0.22 ms on an H200, 0.14 ms so (results/05_ab.log N).
+            x = e.word_embeddings(input_ids) + sum(torch.where((types == t)[..., None], table[t], 0.0)
+                                                   for t in range(table.shape[0]))
+        else:
+            x = e.word_embeddings(input_ids) + e.token_type_embeddings(types)
         x = e.dropout(e.LayerNorm(x))
         if hasattr(self.roformer, "embeddings_project"):
             x = self.roformer.embeddings_project(x)
+        if self.own_kernels and torch.is_autocast_enabled(x.device.type):  # AddNorm's stream dtype from here on
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         replay, shape, dtype = self.graphed or (None, None, None)
         if replay is not None and attention_mask is None and self.training and torch.is_grad_enabled() and x.shape == shape \
                 and x.dtype == dtype:
@@ -747,16 +896,22 @@ class RoFormerForMaskedLM(nn.Module):
         p = self.cls.predictions
         h = p.transform.LayerNorm(F.gelu(p.transform.dense(x)))
         # The decoder's rows are padded to a multiple of 64 for its matmuls, as nanoGPT pads GPT-2's
-        # vocabulary (50257 -> 50304), and the logits sliced back. Unpadded, a row of 30522 bf16 logits
-        # takes 61044 bytes, not a multiple of 16, and cuBLAS falls back to kernels without Hopper's TMA
-        # loads: 480 us for each of the head's three matmuls on an H200, against 170 padded. Inductor
-        # pads them itself when every shape is static, as in --bench's step, but not with the masked
-        # rows' number dynamic, as training marks it: there this makes a compiled step 0.2-0.3 ms
-        # faster on an H200 (results/05_ab.log M). Compiled, the padding rides on the weight's cast.
-        vocab, pad = p.decoder.weight.shape[0], -p.decoder.weight.shape[0] % 64
-        logits = F.linear(h, F.pad(p.decoder.weight, (0, 0, 0, pad)), F.pad(p.decoder.bias, (0, pad)))[..., :vocab]
+        # vocabulary (50257 -> 50304); the loss kernels read the padded logits as they are (n_classes =
+        # vocab), logits are returned sliced back. Unpadded, a row of 30522 bf16 logits takes 61044
+        # bytes, not a multiple of 16, and cuBLAS falls back to kernels without Hopper's TMA loads:
+        # 480 us for each of the head's three matmuls on an H200, against 170 padded. Inductor pads
+        # them itself when every shape is static, as in --bench's step, but not with the masked rows'
+        # number dynamic, as training marks it: there this makes a compiled step 0.2-0.3 ms faster on
+        # an H200 (results/05_ab.log M). Compiled, the padding rides on the weight's cast.
+        vocab = p.decoder.weight.shape[0]
+        pad = -vocab % 64
+        logits = F.linear(h, F.pad(p.decoder.weight, (0, 0, 0, pad)), F.pad(p.decoder.bias, (0, pad)))
         if labels is None:
-            return logits
+            return logits[..., :vocab]
+        if self.own_kernels:
+            loss, argmax = CrossEntropyFunction.apply(logits, labels, vocab)
+            return loss.sum() / (labels != IGNORE_INDEX).sum(), (argmax == labels).float().mean()
+        logits = logits[..., :vocab]
         return F.cross_entropy(logits.float(), labels), (logits.argmax(-1) == labels).float().mean()
 
 
@@ -1325,10 +1480,10 @@ def compile_model(model, device):
 
     What Inductor fuses here: everything between the matmuls and our kernels, the embeddings' sum,
     LayerNorm and dropout, the casts to bf16 and the weights' concatenation, the head's dense layer's
-    GELU and LayerNorm, the masked positions' gather and the loss (and on the torch path every
-    LayerNorm, GELU, dropout and residual add). It cannot touch our kernels (torch.library ops,
-    called as they are: 03's, 04's, dropout's mask, the GELU and add + LayerNorm kernels above) nor
-    the matmuls' insides. --bench --bench-profile
+    GELU and LayerNorm and the masked positions' gather (and on the torch path every LayerNorm,
+    GELU, dropout and residual add, and the loss). It cannot touch our kernels (torch.library ops,
+    called as they are: 03's, 04's, dropout's mask, the GELU, add + LayerNorm and loss kernels
+    above) nor the matmuls' insides. --bench --bench-profile
     shows a step's GPU time by kernel family, eager and compiled (results/05_train_roformer_mlm_H100.md).
 
     Which to use when: compilation shrinks the GPU's work, CUDA graphs the host's. Compiled alone, a
@@ -1534,7 +1689,8 @@ def kernel_families(train_step, on_gpu=True):
             continue
         name = e.name.lower()
         family = ("matmuls" if any(w in name for w in ("gemm", "nvjet", "cutlass", "xmma", "splitk")) else
-                  "ours (01-05)" if name.startswith(("rope", "rotate", "dropout_keep", "add_norm", "bias_gelu")) else
+                  "ours (01-05)" if name.startswith(("rope", "rotate", "dropout_keep", "add_norm", "bias_gelu",
+                                                     "cross_entropy")) else
                   "attention (SDPA)" if any(w in name for w in ("flash", "fmha", "cudnn", "attention")) else
                   "Inductor's fused kernels" if name.startswith("triton_") else "other PyTorch kernels")
         n, ms = families.get(family, (0, 0.0))

@@ -78,18 +78,21 @@ def test_attention_paths_agree():
     torch.testing.assert_close(logits["fused"], logits["torch"], rtol=2e-2, atol=2e-2)  # fp16 attention
 
 
-def test_loss_on_masked_positions_only():
+@pytest.mark.parametrize("attn", ["torch", "triton"])
+def test_loss_on_masked_positions_only(attn):
     """With labels, the head runs on the masked positions only: the loss and accuracy must be those of
-    the full logits at exactly those positions, and its gradients those of that loss."""
+    the full logits at exactly those positions, and its gradients those of that loss. On the kernel
+    paths the loss comes from 05's cross-entropy kernels and the token types from a sum of rows: the
+    loss and every gradient as the torch path (Hugging Face's code) has them."""
     torch.manual_seed(0)
     cfg = train.RoFormerConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                                max_position_embeddings=32, hidden_dropout_prob=0.0)
-    model = train.RoFormerForMaskedLM(cfg, "torch").to(DEVICE)
-    ids = torch.randint(0, 256, (3, 20), device=DEVICE)
+    model = train.RoFormerForMaskedLM(cfg, attn).to(DEVICE)
+    ids, types = torch.randint(0, 256, (3, 20), device=DEVICE), torch.randint(0, 2, (3, 20), device=DEVICE)
     labels = torch.where(torch.rand(3, 20, device=DEVICE) < 0.3, torch.randint(0, 256, (3, 20), device=DEVICE), -100)
     labels[1, :] = -100  # a sequence with nothing masked
-    loss, accuracy = model(ids, labels=labels)
-    logits = model(ids)
+    loss, accuracy = model(ids, labels=labels, token_type_ids=types)
+    logits = model(ids, token_type_ids=types)
     chosen = labels != -100
     expected = torch.nn.functional.cross_entropy(logits[chosen], labels[chosen])
     torch.testing.assert_close(loss, expected)
@@ -100,7 +103,15 @@ def test_loss_on_masked_positions_only():
         torch.testing.assert_close(got, want)
     # the positions found on the host, as training passes them, give the same loss
     positions = train.masked_positions(labels.cpu()).to(DEVICE)
-    torch.testing.assert_close(model(ids, labels=labels, positions=positions), (loss, accuracy))
+    torch.testing.assert_close(model(ids, labels=labels, positions=positions, token_type_ids=types), (loss, accuracy))
+    if attn != "torch":
+        reference = train.RoFormerForMaskedLM(cfg, "torch").to(DEVICE)
+        reference.load_state_dict(model.state_dict())
+        want_loss, want_accuracy = reference(ids, labels=labels, token_type_ids=types)
+        torch.testing.assert_close((loss, accuracy), (want_loss, want_accuracy))
+        want_grads = torch.autograd.grad(want_loss, list(reference.parameters()))
+        for (name, _), got, want in zip(model.named_parameters(), grads, want_grads):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_masking_follows_bert():
@@ -161,24 +172,25 @@ def _reference_add_norm(a, bias, residual, keep, scale, gamma, beta, eps):
 def test_add_norm_and_bias_gelu_kernels(a_dtype, compiled):
     """05's add + LayerNorm kernels give PyTorch's output and gradients, bias and LayerNorm sums
     included, their dropout mask drawn from the seed as dropout_keep draws it: with and without
-    dropout, with the rounded output used or not (the encoder's last), rows that do not fill a band
-    and a width that is neither a power of two nor a multiple of 8; bias + GELU's backward likewise.
-    Compiled (fullgraph) too. bf16 here is the dtype of the matmul outputs the kernels read (no
-    tl.dot: the interpreter's bf16 trap does not apply)."""
+    dropout, with the second output (the next matmul's view) used or not (the encoder's last), rows
+    that do not fill a band and a width that is neither a power of two nor a multiple of 8; bias +
+    GELU's backward likewise. Compiled (fullgraph) too. bf16 here is the dtype of the matmul outputs
+    the kernels read and of the residual stream (no tl.dot: the interpreter's bf16 trap does not
+    apply)."""
     torch._dynamo.reset()  # six variants of one function each recompile it: start from the limit's zero
     torch.manual_seed(0)
     rows, n = 2 * 37, 44
     a = torch.randn(2, 37, n, device=DEVICE, dtype=a_dtype, requires_grad=True)
-    bias, beta, residual = (torch.randn(*shape, device=DEVICE, requires_grad=True) for shape in ((n,), (n,), (2, 37, n)))
+    residual = torch.randn(2, 37, n, device=DEVICE, dtype=a_dtype, requires_grad=True)
+    bias, beta = (torch.randn(n, device=DEVICE, requires_grad=True) for _ in range(2))
     gamma = (torch.randn(n, device=DEVICE) * 0.5 + 1).requires_grad_()
     params = (a, bias, residual, gamma, beta)
-    mm_dtype = torch.bfloat16 if a_dtype == torch.bfloat16 else torch.float32
+    dtype = a_dtype  # the matmuls' dtype: y's and xhat's
     dy, dy_mm = torch.randn(2, 37, n, device=DEVICE), torch.randn(2, 37, n, device=DEVICE)
 
     def add_norm(seed, threshold, scale, use_mm):
-        out = train.AddNormFunction.apply(a, bias, residual, seed, threshold, scale, gamma, beta, 1e-12, mm_dtype)
-        y, y_mm = out if isinstance(out, tuple) else (out, out)
-        return y, y_mm, (y * dy).sum() + ((y_mm.float() * dy_mm).sum() if use_mm else 0)
+        y, y_mm = train.AddNormFunction.apply(a, bias, residual, seed, threshold, scale, gamma, beta, 1e-12, dtype)
+        return y, y_mm, (y * dy).sum() + ((y_mm * dy_mm).sum() if use_mm else 0)
 
     ours = torch.compile(add_norm, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager") if compiled else add_norm
     seed, threshold = torch.tensor([11], device=DEVICE), 19661  # p = 0.3
@@ -186,23 +198,22 @@ def test_add_norm_and_bias_gelu_kernels(a_dtype, compiled):
     assert 0.6 < keep.float().mean() < 0.8
     for seed, keep, scale in ((seed, keep, 65536 / (65536 - threshold)), (None, None, 1.0), (None, None, 0.0)):
         for use_mm in (True, False):
-            expected = _reference_add_norm(a, bias, residual, keep, scale, gamma, beta, 1e-12)
-            loss = (expected * dy).sum() + ((expected.to(mm_dtype).float() * dy_mm).sum() if use_mm else 0)
+            expected = _reference_add_norm(a, bias, residual.float(), keep, scale, gamma, beta, 1e-12).to(dtype)
+            loss = (expected * dy).sum() + ((expected * dy_mm).sum() if use_mm else 0)
             want = torch.autograd.grad(loss, params)
             y, y_mm, got_loss = ours(seed, threshold, scale, use_mm)
-            torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
-            assert y.dtype == torch.float32 and y_mm.dtype == mm_dtype
-            xhat = train.add_norm(a, bias, residual, seed, threshold, scale, gamma, beta, 1e-12, mm_dtype)[2]
-            assert xhat.dtype == mm_dtype  # saved for the backward in the matmuls' dtype
-            # y_mm is y rounded; Triton's interpreter (Triton 3.9) truncates float32 to bf16: one unit off at most
-            ulp = 0 if ON_GPU or mm_dtype == torch.float32 else 2**-7
-            torch.testing.assert_close(y_mm.float(), y.to(mm_dtype).float(), rtol=ulp, atol=0)
+            assert y.dtype == dtype and torch.equal(y_mm, y)
+            # y is rounded from float32 once; Triton's interpreter (Triton 3.9) truncates float32 to bf16
+            ulp = 2**-7 if dtype == torch.bfloat16 else 0
+            torch.testing.assert_close(y.float(), expected.float(), rtol=ulp + 1e-5, atol=1e-5)
+            xhat = train.add_norm(a, bias, residual, seed, threshold, scale, gamma, beta, 1e-12, dtype)[1]
+            assert xhat.dtype == dtype  # saved for the backward in the matmuls' dtype
             got = torch.autograd.grad(got_loss, params)
             for name, g, w in zip(("a", "bias", "residual", "gamma", "beta"), got, want):
                 assert g.dtype == w.dtype, name
-                if a_dtype == torch.bfloat16:  # da is rounded to bf16 and the kernels save xhat in bf16
-                    # (2^-9 relative an element; sums over rows cancel): within 1% of the largest entry
-                    assert (g - w).abs().max() <= 1e-2 * w.abs().max(), name
+                if a_dtype == torch.bfloat16:  # da and dresidual are rounded to bf16 and the kernels save xhat in
+                    # bf16 (2^-9 relative an element; sums over rows cancel): within 1% of the largest entry
+                    assert (g.float() - w.float()).abs().max() <= 1e-2 * w.float().abs().max(), name
                 else:
                     torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=name)
     h = torch.randn(rows, 3 * n + 5, device=DEVICE, dtype=a_dtype, requires_grad=True)
@@ -215,6 +226,49 @@ def test_add_norm_and_bias_gelu_kernels(a_dtype, compiled):
     tol = dict(rtol=1.6e-2, atol=1e-2) if a_dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[0], want[0], **tol)
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cross_entropy_kernels(dtype, compiled):
+    """05's cross-entropy kernels against F.cross_entropy row by row, over the first n_classes of a
+    wider (padded) row that spans several of the kernels' blocks: the loss, its gradient (0 in the
+    padding), the argmax (the first column of a tie, as torch.argmax), a row of IGNORE_INDEX (loss and
+    gradient 0) and a label out of range (a NaN loss rather than a read out of bounds). Compiled
+    (fullgraph) too."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = max(train.CROSS_ENTROPY_FWD_BLOCKS["BLOCK"], train.CROSS_ENTROPY_BWD_BLOCKS["BLOCK"])
+    rows, n_classes, n_cols = 6, 2 * block + 77, 2 * block + 128
+    logits = (torch.randn(rows, n_cols, device=DEVICE) * 3).to(dtype)
+    logits[4, [9, block + 9]] = 40.0  # a tie for the maximum, in two blocks
+    logits[5, n_classes + 3] = 80.0  # the padding is no class
+    logits.requires_grad_()
+    labels = torch.randint(0, n_classes, (rows,), device=DEVICE)
+    labels[2] = train.IGNORE_INDEX
+    dloss = torch.randn(rows, device=DEVICE)
+
+    def loss_and_argmax():
+        loss, argmax = train.CrossEntropyFunction.apply(logits, labels, n_classes)
+        return loss, argmax, (loss * dloss).sum()
+
+    ours = torch.compile(loss_and_argmax, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager") \
+        if compiled else loss_and_argmax
+    loss, argmax, weighted = ours()
+    want = torch.nn.functional.cross_entropy(logits[:, :n_classes].float(), labels, reduction="none")
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    assert loss[2] == 0 and argmax.dtype == torch.int64
+    assert argmax.tolist() == logits[:, :n_classes].argmax(-1).tolist() and argmax[4] == 9
+    got_grad, = torch.autograd.grad(weighted, logits)
+    want_grad, = torch.autograd.grad((want * dloss).sum(), logits)
+    assert got_grad.dtype == dtype and not got_grad[:, n_classes:].any() and not got_grad[2].any()
+    ulp = 2**-7 if dtype == torch.bfloat16 else 1e-5  # the gradient rounded to bf16 (truncated by the interpreter)
+    torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=ulp, atol=1e-6)
+    labels[3] = n_classes  # out of range: a padding column's index
+    assert train.cross_entropy(logits.detach(), labels, n_classes)[0][3].isnan()
+    for wrong in (0, n_cols + 1):
+        with pytest.raises(ValueError, match="n_classes must be in"):
+            train.cross_entropy(logits.detach(), labels, wrong)
 
 
 def test_gelu_kernels_follow_erf():
