@@ -521,8 +521,9 @@ class AddNormFunction(torch.autograd.Function):
 # needs little: the forward reads each row once, keeping a running maximum and a running sum of
 # exponentials rescaled as the maximum grows (the online softmax of FlashAttention), and the argmax,
 # and writes three numbers a row (loss, log-sum-exp, argmax); the backward reads the row again and
-# writes its gradient, (softmax - one_hot(label)) * dloss, with softmax = exp(logit - lse), as the
-# cross-entropy kernels of flash-attention and Liger-Kernel do. Alone they take 73 and 89 us there,
+# writes its gradient, (softmax - one_hot(label)) * dloss, with softmax = exp(logit - lse), as
+# flash-attention's cross-entropy kernels do (Liger-Kernel's write the gradient in the forward, over
+# the logits, and scale it in the backward). Alone they take 73 and 89 us there,
 # where a copy of the logits takes 76 (the forward, a row per program, is bound by its loop rather
 # than by bytes: results/05_ab.log N). The columns past n_classes (the decoder's padding, below)
 # are no class: their gradient is 0. A label of IGNORE_INDEX (-100) counts for nothing, as in
