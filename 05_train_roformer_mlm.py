@@ -523,12 +523,12 @@ class AddNormFunction(torch.autograd.Function):
 # and writes three numbers a row (loss, log-sum-exp, argmax); the backward reads the row again and
 # writes its gradient, (softmax - one_hot(label)) * dloss, with softmax = exp(logit - lse), as
 # flash-attention's cross-entropy kernels do (Liger-Kernel's write the gradient in the forward, over
-# the logits, and scale it in the backward). Alone they take 73 and 89 us there,
-# where a copy of the logits takes 76 (the forward, a row per program, is bound by its loop rather
-# than by bytes: results/05_ab.log N). The columns past n_classes (the decoder's padding, below)
-# are no class: their gradient is 0. A label of IGNORE_INDEX (-100) counts for nothing, as in
-# F.cross_entropy; any other label outside [0, n_classes) gives a NaN loss (F.cross_entropy raises,
-# which needs the label on the host).
+# the logits, and scale it in the backward). Alone they take 73 and 89 us there, where a copy of
+# the logits takes 76 (the forward, a row per program, is bound by its loop rather than by bytes:
+# results/05_ab.log N). The columns past n_classes (the decoder's padding, below) are no class:
+# their gradient is 0. A label of IGNORE_INDEX (-100) counts for nothing, as in F.cross_entropy;
+# any other label outside [0, n_classes) gives a NaN loss (F.cross_entropy raises, which needs the
+# label on the host).
 IGNORE_INDEX = -100
 # Columns a program reads at a time (forward: a row per program; backward: a tile per program), from a sweep at
 # BERT-base's shape on an H200 (results/05_ab.log N).
