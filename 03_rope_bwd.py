@@ -4,32 +4,30 @@ RoPE backward, and a differentiable RoPE that drops into real models
 
 In this tutorial, you will learn about:
 
-* deriving RoPE's backward, element by element: it is the forward with each half's sine moved to
-  the other half and negated, so one kernel with a direction flag serves both ways;
-* why that is "the forward with the angle negated" only for true rotation tables, and what goes
-  wrong for arbitrary angles if you assume it;
-* a ``torch.autograd.Function`` with TransformerEngine's ``apply_rotary_pos_emb`` signature, for q
-  alone or q and k (grouped-query attention) in one launch each way;
+* deriving RoPE's backward, element by element: the forward with each half's sine moved to the other half and
+  negated (one kernel, a direction flag); why that is "the angle negated" only for true rotation tables;
+* a ``torch.autograd.Function`` with TransformerEngine's ``apply_rotary_pos_emb`` signature, for q alone or q
+  and k (grouped-query attention) in one launch each way;
 * registering Triton kernels with ``torch.library`` (``triton_op`` + ``wrap_triton``) so that
   ``torch.compile(fullgraph=True)`` captures them, and keeping host syncs out of compiled code;
 * checking gradients with ``torch.autograd.gradcheck`` in float64;
 * what autograd over the eager formula costs, against one read and one write.
 
-Run ``python 03_rope_bwd.py``: it checks itself against autograd through the PyTorch reference,
-then benchmarks. This file imports only torch and triton: copy it alone into your project.
+Run ``python 03_rope_bwd.py``: it checks itself against autograd through the PyTorch reference, then
+benchmarks. This file imports only torch and triton: copy it alone into your project.
 """
 
 # %%
-# Setup
-# -----
-# With no GPU, run the kernels through Triton's interpreter; the variable must be set before
-# triton is imported.
+# Setup: with no GPU, the kernels run in Triton's interpreter (set before triton is imported).
 import argparse
-import contextlib
 import datetime
+import hashlib
+import itertools
 import os
+import pathlib
 import platform
-import statistics
+import subprocess
+import sys
 import time
 import weakref
 from typing import List, Optional
@@ -49,9 +47,9 @@ MAX_HEAD_DIM = 256
 # %%
 # The PyTorch reference (as in 02)
 # --------------------------------
-# y = x * cos(f) + R(x) * sin(f) on the first d2 channels, y = x on the rest, where R pairs
-# channel a with b and negates the first: rotate-half (a = i, b = i + d2/2) or interleaved pairs
-# (a = 2i, b = 2i + 1). Autograd through this function is the oracle for every gradient below.
+# y = x * cos(f) + R(x) * sin(f) on the first d2 channels, y = x on the rest, where R pairs channel a with b and
+# negates the first: rotate-half (a = i, b = i + d2/2) or interleaved pairs (a = 2i, b = 2i + 1). Autograd
+# through this function is the oracle for every gradient below.
 
 
 def rope_freqs(max_seq_len, rotary_dim, base=10000.0, interleaved=False, device=None):
@@ -68,14 +66,10 @@ def _token_positions(t, tensor_format, cu_seqlens, start_positions):
     if tensor_format == "thd":
         tokens = torch.arange(t.shape[0], device=t.device)
         seq = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
-        pos = tokens - cu_seqlens.long()[seq]
-        return pos + (start_positions.long()[seq] if start_positions is not None else 0)
-    s_dim = 0 if tensor_format == "sbhd" else 1
-    pos = torch.arange(t.shape[s_dim], device=t.device)
-    if start_positions is None:
-        return pos.view(-1, 1) if s_dim == 0 else pos.view(1, -1)
-    start = start_positions.long()
-    return pos[:, None] + start[None, :] if s_dim == 0 else start[:, None] + pos[None, :]
+        return tokens - cu_seqlens.long()[seq] + (start_positions.long()[seq] if start_positions is not None else 0)
+    pos = torch.arange(t.shape[0 if tensor_format == "sbhd" else 1], device=t.device)
+    start = start_positions.long() if start_positions is not None else pos.new_zeros(1)
+    return pos[:, None] + start[None, :] if tensor_format == "sbhd" else start[:, None] + pos[None, :]
 
 
 def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
@@ -87,11 +81,8 @@ def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens
     angles = freqs.reshape(freqs.shape[0], d2)[pos].unsqueeze(-2)  # [..., 1, d2]: one row per token
     dtype = compute_dtype or t.dtype
     x, x_pass = t[..., :d2].to(dtype), t[..., d2:]
-    if interleaved:
-        x_rot = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-    else:
-        x1, x2 = x.chunk(2, dim=-1)
-        x_rot = torch.cat((-x2, x1), dim=-1)
+    x_a, x_b = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+    x_rot = torch.stack((-x_b, x_a), dim=-1).flatten(-2) if interleaved else torch.cat((-x_b, x_a), dim=-1)
     y = x * angles.cos().to(dtype) + x_rot * angles.sin().to(dtype)
     return torch.cat((y.to(t.dtype), x_pass), dim=-1)
 
@@ -109,39 +100,32 @@ def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens
 #     dx_a = dy_a cos(f_a) + dy_b sin(f_b)          e.g. dt[0]    = dy[0] cos(f[0]) + dy[d2/2] sin(f[d2/2])
 #     dx_b = dy_b cos(f_b) - dy_a sin(f_a)               dt[d2/2] = dy[d2/2] cos(f[d2/2]) - dy[0] sin(f[0])
 #
-# In TE's notation: y = x cos(f) + R(x) sin(f), so dx = dy cos(f) + R^T(dy sin(f)), and R^T = -R
-# for both pairings (R sends (x_a, x_b) to (-x_b, x_a), a quarter turn; its transpose is the
-# quarter turn back). Now put dx in the forward's shape:
+# (In TE's notation, dx = dy cos(f) + R^T(dy sin(f)) with R^T = -R: a quarter turn back.) In the forward's shape:
 #
 #     dx_a = dy_a cos(f_a) - dy_b (-sin(f_b))
 #     dx_b = dy_b cos(f_b) + dy_a (-sin(f_a))
 #
-# It is the forward applied to dy with  sin_a <- -sin(f_b)  and  sin_b <- -sin(f_a)  (cos
-# unchanged). For a true rotation table (f_a = f_b) that is the forward with the angle negated:
-# the inverse rotation. For an arbitrary table the two halves' sines also trade places, and a
-# backward that only negated the angle would be wrong; the tests use such tables to catch it.
-# Pass-through channels (d2 < d) have y = x, so dx = dy there: copied.
+# It is the forward applied to dy with  sin_a <- -sin(f_b)  and  sin_b <- -sin(f_a)  (cos unchanged). For a
+# true rotation table (f_a = f_b) that is the forward with the angle negated: the inverse rotation. For an
+# arbitrary table the two halves' sines also trade places, and a backward that only negated the angle would be
+# wrong; the tests use such tables to catch it. Pass-through channels (d2 < d) have y = x, so dx = dy: copied.
 #
 # Memory traffic
 # --------------
-# The backward reads dy once and writes dx once: 2N elements for N elements of q and k, the same
-# as the forward and as a copy. Autograd over the eager formula runs the backward of every op of
-# the forward: two multiplications (dy cos, dy sin), the rotate-half's slices, negation and
-# concatenation, the sum of the two branches, and the concatenation with the pass-through part;
-# each reads and writes full tensors. The benchmark measures what that costs.
+# The backward reads dy once and writes dx once: 2N elements for N elements of q and k, as the forward and a
+# copy do. Autograd over the eager formula runs the backward of every op of the forward (the two products, the
+# rotate-half's slices, negation and concatenation, the sum, the concatenation with the pass-through part),
+# each reading and writing full tensors.
 #
 # The kernel
 # ----------
 # 02's kernel, generalised in three ways:
 #   1. BACKWARD swaps and negates the sines, as derived above; nothing else changes.
 #   2. float64 inputs are computed in float64 (for gradcheck); other dtypes in float32.
-#   3. In thd the grid walks the packed tokens and each token finds its sequence by a binary
-#      search in cu_seqlens. 02 launches (sequences x longest sequence) programs; the longest
-#      sequence is known only on the host, after a sync, so compiled code must launch for a bound
-#      on it. This grid needs no such number, at about 1 us more GPU time than bshd at the small
-#      shape (02's forward: 0.4-0.6 us more; results/03_rope_bwd_<gpu>.md, 02_rope_fwd_<gpu>.md).
-# Angle rows past the table are masked (read as 0) instead of read out of bounds: eager calls
-# check positions on the host and raise, compiled calls do not check.
+#   3. In thd the grid walks the packed tokens and each token finds its sequence by a binary search in
+#      cu_seqlens. 02's grid needs the longest sequence, known on the host only after a sync; this one needs no
+#      such number, so compiled code launches it exactly.
+# Angle rows past the table are masked (read as 0), not read out of bounds (see the argument checks).
 
 
 @triton.jit
@@ -280,15 +264,14 @@ def rope_kernel(
 # %%
 # The op: one launch, registered with torch.library
 # -------------------------------------------------
-# torch.compile cannot see inside a plain Python call to a Triton kernel; it would break the
-# graph there. ``torch.library.triton_op`` registers the launcher as an operator and
-# ``wrap_triton`` lets the compiler trace the kernel itself (and schedule it with the rest of the
-# graph). Where the installed torch lacks triton_op, or the kernel runs in the interpreter, a
-# ``custom_op`` with a "fake" implementation (output shapes only) keeps the graph whole, with the
-# kernel opaque. Either way the op must be pure tensor work: no host syncs, no Python state.
+# torch.compile cannot see inside a plain Python call to a Triton kernel; it would break the graph there.
+# ``torch.library.triton_op`` registers the launcher as an operator and ``wrap_triton`` lets the compiler trace
+# the kernel itself (and schedule it with the rest of the graph). Where torch lacks triton_op, or the kernel
+# runs in the interpreter, a ``custom_op`` with a "fake" implementation (output shapes only) keeps the graph
+# whole, the kernel opaque. Either way the op must be pure tensor work: no host syncs, no Python state.
 
 
-def _next_pow2(n):  # plain Python: triton.next_power_of_2 costs microseconds a call in Triton 3.9
+def _next_pow2(n):  # plain Python: triton.next_power_of_2 is slow to call in Triton 3.9
     return 1 << (int(n) - 1).bit_length()
 
 
@@ -313,28 +296,23 @@ def _rope_impl(q, k, freqs, angles_shared, cu_seqlens, start_positions, tensor_f
         return outs
     k_, k_out = (k, outs[1]) if k is not None else (q, outs[0])
     (batch, seqlen, _, head_dim), _ = _layout(q, tensor_format)
-    rot_dim = freqs.shape[3]
-    half = _next_pow2(rot_dim // 2)
-    n_heads = (q.shape[-2], k_.shape[-2])
-    block_h = max(1, _next_pow2(max(n_heads)) // 4)  # from 02's sweep: one token, heads in 4 steps
-    config = dict(BLOCK_S=1, BLOCK_H=block_h, num_warps=2 if block_h * half <= 128 else 4)
-    n_seq_blocks = seqlen  # BLOCK_S = 1
-    n_programs = n_seq_blocks * (1 if tensor_format == "thd" else batch)  # thd walks the packed tokens
+    rot_dim, n_heads = freqs.shape[3], (q.shape[-2], k_.shape[-2])
+    half, block_h = _next_pow2(rot_dim // 2), max(1, _next_pow2(max(n_heads)) // 4)  # 02's sweep: heads in 4 steps
+    n_programs = seqlen * (1 if tensor_format == "thd" else batch)  # one token each; thd walks the packed tokens
     if tensor_format == "thd":
         batch = cu_seqlens.shape[0] - 1
     strides = [s for x in (q, outs[0], k_, k_out) for s in _layout(x, tensor_format)[1]]
     _launch_kernel(
-        kernel, (n_programs,),
-        q, outs[0], k_, k_out, freqs, angles_shared,
+        kernel, (n_programs,), q, outs[0], k_, k_out, freqs, angles_shared,
         cu_seqlens if cu_seqlens is not None else angles_shared,
         start_positions if start_positions is not None else angles_shared,
-        batch, n_seq_blocks, seqlen, n_heads[0], n_heads[1], head_dim, rot_dim, freqs.shape[0],
+        batch, seqlen, seqlen, n_heads[0], n_heads[1], head_dim, rot_dim, freqs.shape[0],
         *strides, freqs.stride(0), freqs.stride(3),
-        HALF=half, PASS=_next_pow2(max(head_dim - rot_dim, 1)), N_HEAD_BLOCKS=-(-max(n_heads) // block_h),
-        INTERLEAVED=interleaved, IS_THD=tensor_format == "thd", HAS_START_POSITIONS=start_positions is not None,
-        HAS_K=k is not None, COPY_PASS=rot_dim < head_dim, BATCH_FASTEST=tensor_format == "sbhd",
-        BACKWARD=backward, IS_FP64=q.dtype == torch.float64, **config,
-    )
+        BLOCK_S=1, BLOCK_H=block_h, HALF=half, PASS=_next_pow2(max(head_dim - rot_dim, 1)),
+        N_HEAD_BLOCKS=-(-max(n_heads) // block_h), INTERLEAVED=interleaved, IS_THD=tensor_format == "thd",
+        HAS_START_POSITIONS=start_positions is not None, HAS_K=k is not None, COPY_PASS=rot_dim < head_dim,
+        BATCH_FASTEST=tensor_format == "sbhd", BACKWARD=backward, IS_FP64=q.dtype == torch.float64,
+        num_warps=2 if block_h * half <= 128 else 4)
     return outs
 
 
@@ -345,38 +323,27 @@ def _rope_op_body(q: torch.Tensor, k: Optional[torch.Tensor], freqs: torch.Tenso
                       backward, kernel=_wrap(rope_kernel))
 
 
-def _register(fn):
-    """Register fn as rope_tutorial::rope (a fresh name if this file was loaded before)."""
-    n = 0
-    while hasattr(torch.ops.rope_tutorial, f"rope{n or ''}"):
-        n += 1
-    name = f"rope_tutorial::rope{n or ''}"
-    if _USE_TRITON_OP:
-        return torch.library.triton_op(name, fn, mutates_args=())
-    op = torch.library.custom_op(name, fn, mutates_args=())
-    op.register_fake(lambda q, k, *args: [torch.empty_like(x) for x in (q, k) if x is not None])
-    return op
-
-
 _USE_TRITON_OP = hasattr(torch.library, "triton_op") and os.environ.get("TRITON_INTERPRET") != "1"
 _wrap = torch.library.wrap_triton if _USE_TRITON_OP else (lambda kernel: kernel)
-rope_op = _register(_rope_op_body)
+_n = next(n for n in itertools.count() if not hasattr(torch.ops.rope_tutorial, f"rope{n or ''}"))
+rope_op = (torch.library.triton_op if _USE_TRITON_OP else torch.library.custom_op)(
+    f"rope_tutorial::rope{_n or ''}", _rope_op_body, mutates_args=())  # a fresh name if this file was loaded before
+if not _USE_TRITON_OP:
+    rope_op.register_fake(lambda q, k, *args: [torch.empty_like(x) for x in (q, k) if x is not None])
 
 
 def _rope(*args):
-    """The registered op where torch.compile is tracing; a direct launch in eager mode, where the
-    dispatcher, the op's autograd wrapper and its aliasing checks add 15-45 us of host time to each
-    call (the benchmark times both: results/03_rope_bwd_<gpu>.md)."""
+    """The registered op where torch.compile is tracing; a direct launch in eager mode, where the dispatcher, the
+    op's autograd wrapper and its aliasing checks would add host time (timed: results/03_rope_bwd_H100.md)."""
     return rope_op(*args) if torch.compiler.is_compiling() else _rope_impl(*args)
 
 
 # %%
 # Argument checks (outside the op, so they run in eager mode and are traced by torch.compile)
 # ------------------------------------------------------------------------------------------
-# Shapes, dtypes and devices are checked on every call. The values of cu_seqlens and
-# start_positions live on the GPU: reading them costs a host sync, so (as in 02) the verdict is
-# kept for the last tensors seen, and compiled code skips the check (the kernel masks angle rows
-# past the table instead of reading out of bounds). The "halves equal" flag is kept likewise.
+# Shapes, dtypes and devices are checked on every call. The values of cu_seqlens and start_positions live on
+# the GPU: reading them costs a host sync, so (as in 02) the verdict is kept for the last tensors seen, and
+# compiled code skips the check (the kernel masks angle rows past the table). The "halves equal" flag likewise.
 
 
 _last_results = {}  # what -> (key, weak references to the tensors, result)
@@ -480,8 +447,8 @@ def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions):
 # %%
 # The autograd Function and the public API
 # ----------------------------------------
-# The forward saves nothing but the (small) angle table and index tensors: the backward needs
-# only dy and the angles, not x. That is the whole memory cost of RoPE in training.
+# The forward saves nothing but the (small) angle table and index tensors: the backward needs only dy and the
+# angles, not x. That is the whole memory cost of RoPE in training.
 
 
 class _ApplyRoPE(torch.autograd.Function):
@@ -491,10 +458,8 @@ class _ApplyRoPE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, freqs, angles_shared, cu_seqlens, start_positions, tensor_format, interleaved, backward):
         ctx.save_for_backward(freqs, angles_shared, cu_seqlens, start_positions)
-        ctx.args = tensor_format, interleaved, not backward
-        ctx.has_k = k is not None
-        return tuple(_rope(q, k, freqs, angles_shared, cu_seqlens, start_positions, tensor_format, interleaved,
-                           backward))
+        ctx.args, ctx.has_k = (tensor_format, interleaved, not backward), k is not None
+        return tuple(_rope(q, k, freqs, angles_shared, cu_seqlens, start_positions, tensor_format, interleaved, backward))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -503,14 +468,17 @@ class _ApplyRoPE(torch.autograd.Function):
         return dx[0], dx[1] if ctx.has_k else None, None, None, None, None, None, None, None
 
 
-def _apply(tensors, names, freqs, tensor_format, start_positions, interleaved, cu_seqlens):
+def _apply(tensors, names, freqs, tensor_format, start_positions, interleaved, cu_seqlens, backward=False):
+    """Checks, then the autograd Function (forward) or the kernel alone (rope_bwd, rope_bwd_qk)."""
     _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions)
+    args = (tensors[0], tensors[1] if len(tensors) == 2 else None, freqs, _angles_shared(freqs, interleaved),
+            cu_seqlens, start_positions, tensor_format, interleaved, backward)
+    if backward:
+        return tuple(_rope(*args))
     if freqs.requires_grad and torch.is_grad_enabled():
         raise ValueError("freqs requires grad, but no gradient flows to the angle table here (as in "
                          "TransformerEngine's fused RoPE); pass freqs.detach()")
-    k = tensors[1] if len(tensors) == 2 else None
-    return _ApplyRoPE.apply(tensors[0], k, freqs, _angles_shared(freqs, interleaved), cu_seqlens,
-                            start_positions, tensor_format, interleaved, False)
+    return _ApplyRoPE.apply(*args)
 
 
 def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
@@ -533,8 +501,7 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     return _apply([t], ("t",), freqs, tensor_format, start_positions, interleaved, cu_seqlens)[0]
 
 
-def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
-                            cu_seqlens=None):
+def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=None, interleaved=False, cu_seqlens=None):
     """``apply_rotary_pos_emb`` on q and k in one launch each way; k may have fewer heads (GQA).
     Returns (q_out, k_out)."""
     return _apply([q, k], ("q", "k"), freqs, tensor_format, start_positions, interleaved, cu_seqlens)
@@ -543,25 +510,21 @@ def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=N
 def rope_bwd(grad_out, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None, start_positions=None):
     """The gradient of RoPE with respect to its input, given grad_out (same arguments as 02's
     ``rope_fwd``). Returns a new tensor like grad_out."""
-    _check([grad_out], ("grad_out",), freqs, tensor_format, cu_seqlens, start_positions)
-    return _rope(grad_out, None, freqs, _angles_shared(freqs, interleaved), cu_seqlens, start_positions,
-                   tensor_format, interleaved, True)[0]
+    return _apply([grad_out], ("grad_out",), freqs, tensor_format, start_positions, interleaved, cu_seqlens, True)[0]
 
 
-def rope_bwd_qk(grad_q, grad_k, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
-                start_positions=None):
+def rope_bwd_qk(grad_q, grad_k, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None, start_positions=None):
     """``rope_bwd`` for q's and k's gradients in one launch. Returns (grad_q_in, grad_k_in)."""
-    _check([grad_q, grad_k], ("grad_q", "grad_k"), freqs, tensor_format, cu_seqlens, start_positions)
-    return tuple(_rope(grad_q, grad_k, freqs, _angles_shared(freqs, interleaved), cu_seqlens, start_positions,
-                       tensor_format, interleaved, True))
+    return _apply([grad_q, grad_k], ("grad_q", "grad_k"), freqs, tensor_format, start_positions, interleaved,
+                  cu_seqlens, True)
 
 
 # %%
 # Unit test
 # ---------
-# Gradients of every layout, both pairings, partial rotary, arbitrary angles (halves differ),
-# strided views and GQA, against autograd through the reference; then gradcheck in float64.
-# tests/test_03_rope_bwd.py covers the whole matrix, torch.compile and a model-level check.
+# Gradients of every layout, both pairings, partial rotary, arbitrary angles (halves differ), strided views and
+# GQA, against autograd through the reference. tests/test_03_rope_bwd.py covers the whole matrix, gradcheck in
+# float64, torch.compile and a model-level check.
 
 
 def _self_check_inputs(fmt, dtype, b, s, h, d):
@@ -580,230 +543,126 @@ def _self_check_inputs(fmt, dtype, b, s, h, d):
 def self_check():
     torch.manual_seed(0)
     b, s, h, d = (3, 37, 5, 80) if DEVICE.type == "cuda" else (2, 7, 3, 80)
-    for dtype in (torch.float32, torch.bfloat16):
-        for fmt in TENSOR_FORMATS:
-            for interleaved in (False, True):
-                q, k, kwargs = _self_check_inputs(fmt, dtype, b, s, h, d)
-                freqs = torch.randn(2 * b * s, 1, 1, 48, device=DEVICE)  # partial rotary, halves differ
-                outs = apply_rotary_pos_emb_qk(q, k, freqs, interleaved=interleaved, **kwargs)
-                grads = [torch.randn_like(y) for y in outs]
-                dq, dk = torch.autograd.grad(outs, (q, k), grads)
-                for x, y, dy, dx in ((q, outs[0], grads[0], dq), (k, outs[1], grads[1], dk)):
-                    ref = rope_reference(x, freqs, interleaved=interleaved, **kwargs)
-                    torch.testing.assert_close(y, ref)
-                    torch.testing.assert_close(dx, torch.autograd.grad(ref, x, dy)[0])
-    q, k, kwargs = _self_check_inputs("thd", torch.float64, 2, 3, 2, 12)
-    freqs = torch.randn(16, 1, 1, 8, device=DEVICE)
-    assert torch.autograd.gradcheck(lambda q, k: apply_rotary_pos_emb_qk(q, k, freqs, interleaved=True, **kwargs),
-                                    (q, k), fast_mode=True)
+    for dtype, fmt, interleaved in itertools.product((torch.float32, torch.bfloat16), TENSOR_FORMATS, (False, True)):
+        q, k, kwargs = _self_check_inputs(fmt, dtype, b, s, h, d)
+        freqs = torch.randn(2 * b * s, 1, 1, 48, device=DEVICE)  # partial rotary, halves differ
+        outs = apply_rotary_pos_emb_qk(q, k, freqs, interleaved=interleaved, **kwargs)
+        grads = [torch.randn_like(y) for y in outs]
+        for x, y, dy, dx in zip((q, k), outs, grads, torch.autograd.grad(outs, (q, k), grads)):
+            ref = rope_reference(x, freqs, interleaved=interleaved, **kwargs)
+            torch.testing.assert_close(y, ref)
+            torch.testing.assert_close(dx, torch.autograd.grad(ref, x, dy)[0])
     print(f"self-check passed: forward and gradients, fp32/bf16 x sbhd/bshd/thd x half/interleaved, d={d}, d2=48, "
-          f"GQA, strided views, start_positions; gradcheck in float64 (device: {DEVICE.type})")
+          f"GQA, strided views, start_positions (device: {DEVICE.type})")
 
 
 # %%
 # Benchmark
 # ---------
-# bf16 q and k at 02's shapes. Backward alone: dq, dk -> dx for q and k, against a copy of the
-# same bytes (one read and one write), autograd's backward through the eager formula and through
-# torch.compile of it, and Liger's backward (bshd, in place) when installed. Forward + backward:
-# a fresh forward and the gradients of q and k, against the same, plus the speedups that the
-# targets name. GPU time from CUDA graphs, as in 02 (calls issued one by one would time the
-# host at the small shape); the host cost of one eager call of ours is printed too.
-
+# What is timed, as the results page says it ("eager call" shows why eager calls bypass the op):
+TIMED = ("bf16 q and k at 02's shapes, bshd. Backward alone: ours, directly and through the registered op (as "
+         "compiled code calls it); autograd's backward of one kept forward of ours under torch.compile(fullgraph=True), "
+         "of the eager formula, of torch.compile of it; Liger's (in place) if installed. Forward + backward: a "
+         "fresh forward, then the gradients of q and k. Time per call: median of `triton.testing.do_bench_cudagraph` "
+         "(GPU time) or, in columns \"eager call\", of `triton.testing.do_bench` over 10 back-to-back calls (host cost "
+         "included). (x%): speed as a fraction of a device-to-device copy of the same bytes (fwd+bwd: two), same run.")
 BENCH_SHAPES = [(4, 4096, 32, 128), (32, 512, 12, 64), (1, 32768, 8, 128)]  # (b, s, h, d)
-CPU_SHAPES = [(2, 8, 2, 64)]
 
 
-def _time_ms(fn, replays=10):
-    """GPU time of fn, replayed from a CUDA graph of many calls: the median over replays. Call
-    it on a side stream: graphs are captured there, and a backward must run on the stream that
-    ran its forward."""
+def _time_ms(fn, eager_call):
     if DEVICE.type != "cuda":
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def elapsed_ms(run):
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
-    fn()  # warm up: compilation, memos
-    calls = max(1, min(200, int(20 / max(elapsed_ms(fn), 1e-3))))  # about 20 ms a replay
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):
-        for _ in range(calls):
-            fn()
-    return statistics.median(elapsed_ms(graph.replay) / calls for _ in range(replays))
+    if eager_call:
+        return triton.testing.do_bench(lambda: [fn() for _ in range(10)], return_mode="median") / 10
+    return triton.testing.do_bench_cudagraph(fn, return_mode="median")
 
 
-def _host_us_per_call(fn, calls=50):
-    """Host time to issue one call, the GPU not waited for (what a Python loop pays per call)."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host_s = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return host_s / calls * 1e6
+def _eager_qk(q, k, freqs, tensor_format):  # TransformerEngine's unfused formula
+    return tuple(rope_reference(x, freqs, tensor_format, compute_dtype=None) for x in (q, k))
 
 
-def _providers(q, k, freqs, fmt, kwargs, liger, compiled):
-    """{mode: {name: fn}} for mode 'backward' and 'fwd+bwd'; q and k require grad."""
-    dq_out, dk_out = torch.randn_like(q), torch.randn_like(k)
-    src = torch.randn(q.numel() + k.numel(), device=DEVICE, dtype=q.dtype)
-    dst = torch.empty_like(src)
-    eager = lambda: (rope_reference(q, freqs, compute_dtype=None, **kwargs),  # noqa: E731
-                     rope_reference(k, freqs, compute_dtype=None, **kwargs))
-    fwd = {"triton (ours)": lambda: apply_rotary_pos_emb_qk(q, k, freqs, **kwargs), "eager": eager}
-    if compiled is not None:
-        fwd["torch.compile"] = lambda: compiled(q, k, freqs, **kwargs)
-    backward = {"copy": lambda: dst.copy_(src),
-                "triton (ours)": lambda: rope_bwd_qk(dq_out, dk_out, freqs, **kwargs),
-                "ours, via the op": lambda: rope_op(dq_out, dk_out, freqs, _angles_shared(freqs, False),  # as compiled
-                                                    kwargs.get("cu_seqlens"), None, fmt, False, True)}
-    for name, f in fwd.items():
-        if name != "triton (ours)":
-            outs = f()  # one forward, its graph kept: the backward alone is timed
-            backward[name] = lambda outs=outs: torch.autograd.grad(outs, (q, k), (dq_out, dk_out), retain_graph=True)
+def _providers(q, k, freqs, liger, compiled):
+    """{mode: {name: fn}} for mode 'backward' and 'fwd+bwd', the copy first."""
+    q, k, dq, dk = q.detach().requires_grad_(), k.detach().requires_grad_(), torch.randn_like(q), torch.randn_like(k)
+    src, dst = (torch.randn(q.numel() + k.numel(), device=DEVICE, dtype=q.dtype) for _ in range(2))
+    grad = lambda outs, **kw: torch.autograd.grad(outs, (q, k), (dq, dk), **kw)  # noqa: E731
+    ours = lambda: rope_bwd_qk(dq, dk, freqs, "bshd")  # noqa: E731
+    op_args = (_angles_shared(freqs, False), None, None, "bshd", False, True)
+    backward = {"copy": lambda: dst.copy_(src), "ours": ours, "ours, eager call": ours,
+                "ours via the op, eager call": lambda: rope_op(dq, dk, freqs, *op_args)}
+    fwd = {"ours": apply_rotary_pos_emb_qk, "ours, eager call": apply_rotary_pos_emb_qk, **compiled, "eager": _eager_qk}
+    # A backward runs on its forward's stream, and do_bench_cudagraph captures on torch.cuda.graph's side
+    # stream: the forwards kept for "backward alone" are made on that stream.
+    with torch.cuda.stream(torch.cuda.graph(torch.cuda.CUDAGraph()).capture_stream if DEVICE.type == "cuda" else None):
+        backward.update({name: lambda outs=f(q, k, freqs, "bshd"): grad(outs, retain_graph=True)
+                         for name, f in fwd.items() if name not in backward})
     both = {"copy x2": lambda: (dst.copy_(src), src.copy_(dst))}
-    both.update({name: lambda f=f: torch.autograd.grad(f(), (q, k), (dq_out, dk_out)) for name, f in fwd.items()})
-    if liger is not None and fmt == "bshd":  # [b, h, s, d] views of bshd memory; bf16 [1, s, d] tables
+    both.update({name: lambda f=f: grad(f(q, k, freqs, "bshd")) for name, f in fwd.items()})
+    if liger is not None:  # [b, h, s, d] views of bshd memory; bf16 [1, s, d] tables
         angles = freqs[: q.shape[1], 0, 0]
         cos, sin = angles.cos().to(q.dtype)[None], angles.sin().to(q.dtype)[None]
-        g_q, g_k = dq_out.transpose(1, 2).clone(), dk_out.transpose(1, 2).clone()
+        g_q, g_k = dq.transpose(1, 2).clone(), dk.transpose(1, 2).clone()
         backward["liger (in place)"] = lambda: liger.rope_backward(g_q, g_k, cos, sin)
-        both["liger"] = lambda: torch.autograd.grad(
-            liger.LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin),
-            (q, k), (dq_out.transpose(1, 2), dk_out.transpose(1, 2)))
+        both["liger"] = lambda: torch.autograd.grad(liger.LigerRopeFunction.apply(
+            q.transpose(1, 2), k.transpose(1, 2), cos, sin), (q, k), (dq.transpose(1, 2), dk.transpose(1, 2)))
     return {"backward": backward, "fwd+bwd": both}
 
 
-def _bench_layout(shape, fmt, q, k, freqs, kwargs, liger, compiled):
-    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
-    gbytes = 2 * (q.numel() + k.numel()) * q.element_size() / 1e9  # one read + one write of q and k
-    rows = []
-    for mode, fns in _providers(q, k, freqs, fmt, kwargs, liger, compiled).items():
-        times = {name: _time_ms(fn) for name, fn in fns.items()}
-        base = times["copy" if mode == "backward" else "copy x2"]
-        for name, ms in times.items():
-            row = dict(shape=shape, layout=fmt, mode=mode, provider=name, us=ms * 1e3, pct_copy=100 * base / ms,
-                       gbps=gbytes * (1 if mode == "backward" else 2) / (ms * 1e-3))
-            if mode == "fwd+bwd" and name == "triton (ours)":
-                row.update({"x " + other: times[other] / ms for other in ("eager", "torch.compile") if other in times})
-            if DEVICE.type == "cuda" and name in ("triton (ours)", "ours, via the op"):
-                row["host_us"] = _host_us_per_call(fns[name])
-            rows.append(row)
-            speedups = "".join(f"  {key} {row[key]:.1f}" for key in ("x eager", "x torch.compile") if key in row)
-            host = f"  host {row['host_us']:.0f} us/call" if "host_us" in row else ""
-            print(f"{str(shape):>20} {fmt:>5} {mode:>8} {name:>17} {row['us']:9.1f} us "
-                  f"{row['gbps']:7.0f} GB/s {row['pct_copy']:6.1f}% of copy{speedups}{host}")
-    return rows
-
-
 def benchmark():
-    shapes = BENCH_SHAPES if DEVICE.type == "cuda" else CPU_SHAPES
+    """{(shape, mode): {provider: ms}}."""
+    liger, compiled, results = None, {}, {}
     if DEVICE.type != "cuda":
         print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
               "show that the benchmark runs; they say nothing about speed.")
-    liger, compiled = None, None
-    if DEVICE.type == "cuda":
+    else:
         try:
             import liger_kernel.ops.rope as liger
         except ImportError as e:
             print(f"(Liger-Kernel not installed, its rows are skipped: {e})")
-        torch._dynamo.config.cache_size_limit = 64
-        compiled = torch.compile(lambda q, k, freqs, **kw: (rope_reference(q, freqs, compute_dtype=None, **kw),
-                                                            rope_reference(k, freqs, compute_dtype=None, **kw)))
-    rows = []
-    for b, s, h, d in shapes:
+        torch._dynamo.config.cache_size_limit = 64  # a graph per shape and mode
+        compiled = {"ours, compiled": torch.compile(apply_rotary_pos_emb_qk, fullgraph=True),
+                    "torch.compile": torch.compile(_eager_qk)}
+    for b, s, h, d in BENCH_SHAPES if DEVICE.type == "cuda" else [(2, 8, 2, 64)]:
         freqs = rope_freqs(s, d, device=DEVICE)
         q, k = (torch.randn(b, s, h, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
-        layouts = {"bshd": (q, k, {}),
-                   "thd": (q.flatten(0, 1), k.flatten(0, 1),
-                           {"cu_seqlens": torch.arange(0, b * s + 1, s, dtype=torch.int32, device=DEVICE)})}
-        for fmt, (q_fmt, k_fmt, extra) in layouts.items():
-            with torch.cuda.stream(torch.cuda.Stream()) if DEVICE.type == "cuda" else contextlib.nullcontext():
-                rows += _bench_layout((b, s, h, d), fmt, q_fmt, k_fmt, freqs, dict(tensor_format=fmt, **extra),
-                                      liger, compiled if fmt == "bshd" else None)
-    return rows
+        gbytes = 2 * (q.numel() + k.numel()) * q.element_size() / 1e9  # one read + one write of q and k
+        for mode, fns in _providers(q, k, freqs, liger, compiled).items():
+            times = results[(b, s, h, d), mode] = {n: _time_ms(f, "eager call" in n) for n, f in fns.items()}
+            for name, ms in times.items():  # fwd+bwd moves the bytes twice
+                gbps, pct = gbytes * len(mode.split("+")) / ms * 1e3, 100 * next(iter(times.values())) / ms
+                print(f"{str((b, s, h, d)):>20} {mode:>8} {name:>27} {ms * 1e3:9.1f} us {gbps:7.0f} GB/s {pct:6.1f}% of copy")
+    return results
 
 
-def markdown_table(rows, mode):
-    """One line per (shape, layout); a column per provider: GPU time and % of the copy's speed."""
-    rows = [r for r in rows if r["mode"] == mode]
-    providers = list(dict.fromkeys(r["provider"] for r in rows))
-    extra = ["x eager", "x torch.compile"] if mode == "fwd+bwd" else []
-    host = "ours / via the op: host us / call" if mode == "backward" else "ours: host us / call"
-    lines = ["| shape (b, s, h, d) | layout | " + " | ".join(providers + [f"ours: {e}" for e in extra])
-             + f" | {host} |", "|---|---|" + "---|" * (len(providers) + len(extra) + 1)]
-    for key in dict.fromkeys((r["shape"], r["layout"]) for r in rows):
-        here = [r for r in rows if (r["shape"], r["layout"]) == key]
-        cells = {r["provider"]: f"{r['us']:.1f} us ({r['pct_copy']:.0f}%)" for r in here}
-        ours = next(r for r in here if r["provider"] == "triton (ours)")
-        host = " / ".join(f"{r['host_us']:.0f}" for r in here if "host_us" in r)
-        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells.get(p, "n/a") for p in providers)
-                     + "".join(f" | {ours[e]:.1f}x" if e in ours else " | n/a" for e in extra) + f" | {host} |")
-    return "\n".join(lines)
-
-
-def environment():
-    gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "none (Triton interpreter)"
-    return (f"device: {gpu}; date: {datetime.date.today()}; torch {torch.__version__}; "
-            f"triton {triton.__version__}; python {platform.python_version()}")
-
-
-def save_results(rows, results_dir):
-    """results/03_rope_bwd_<gpu kind>.md (environment + both tables) and, with matplotlib, the plot."""
+def save_results(results, results_dir):
+    """results/03_rope_bwd_<GPU kind>.md; the run's stdout, teed beside it as .log, is the raw log."""
+    gpu, here = torch.cuda.get_device_name(), pathlib.Path(__file__).resolve()
+    name = "03_rope_bwd_" + next((w for w in gpu.split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
+    commit = subprocess.run("git rev-parse --short HEAD", shell=True, cwd=here.parent, capture_output=True, text=True)
+    page = [f"# RoPE backward, q and k (bshd)\n\ndevice: {gpu}; date: {datetime.date.today()}; torch {torch.__version__}; "
+            f"triton {triton.__version__}; python {platform.python_version()}; commit {commit.stdout.strip() or 'n/a'}; "
+            f"{here.name} md5 {hashlib.md5(here.read_bytes()).hexdigest()[:8]}", f"Command: `python {' '.join(sys.argv)}`",
+            TIMED]
+    for mode, title in (("backward", "Backward alone"), ("fwd+bwd", "Forward + backward")):
+        times = {shape: t for (shape, m), t in results.items() if m == mode}
+        names = list(next(iter(times.values())))
+        rows = [["shape (b, s, h, d)", *names], ["---"] * (1 + len(names))] + [[str(shape)] + [
+            f"{t[n] * 1e3:.1f} us ({100 * t[names[0]] / t[n]:.0f}%)" for n in names] for shape, t in times.items()]
+        page.append(f"## {title}\n\n" + "\n".join("| " + " | ".join(row) + " |" for row in rows))
+    page = "\n\n".join(page + [f"Raw log: `{name}.log`\n"])
     os.makedirs(results_dir, exist_ok=True)
-    gpu_kind = next((w for w in torch.cuda.get_device_name().split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
-    stem = os.path.join(results_dir, f"03_rope_bwd_{gpu_kind}")
-    with open(stem + ".md", "w") as f:
-        f.write(f"# RoPE backward, q and k\n\n{environment()}\n\nbf16 q and k of equal shape; GPU time per call, the "
-                "median of 10 replays of a CUDA graph of about 20 ms of calls; (x%): the speed as a fraction of a "
-                "device-to-device copy of the same bytes (fwd+bwd: two copies), in the same run. Last column: host "
-                "time of one eager call of ours (backward: and through the torch.library op, as compiled code calls "
-                f"it). Raw log: `{os.path.basename(stem)}.log`.\n\n"
-                f"## Backward alone\n\n{markdown_table(rows, 'backward')}\n\n"
-                f"## Forward + backward\n\n{markdown_table(rows, 'fwd+bwd')}\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
-    for ax, mode in zip(axes, ("backward", "fwd+bwd")):
-        mode_rows = [r for r in rows if r["mode"] == mode and not r["provider"].startswith(("copy", "ours, via"))]
-        groups = list(dict.fromkeys((r["shape"], r["layout"]) for r in mode_rows))
-        providers = list(dict.fromkeys(r["provider"] for r in mode_rows))
-        width = 0.8 / len(providers)
-        for n, provider in enumerate(providers):
-            pct = {(r["shape"], r["layout"]): r["pct_copy"] for r in mode_rows if r["provider"] == provider}
-            ax.bar([g + n * width for g in range(len(groups))], [pct.get(g, 0) for g in groups], width, label=provider)
-        ax.axhline(100, color="black", lw=0.8, ls="--")
-        ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
-        ax.set_xticklabels([f"{shape}\n{layout}" for shape, layout in groups], fontsize=7)
-        ax.set_ylabel("% of device-to-device copy bandwidth")
-        ax.set_title(f"RoPE {mode}, bf16 q and k ({environment().split(';')[0].removeprefix('device: ')})", fontsize=9)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(stem + ".png", dpi=120)
+    pathlib.Path(results_dir, name + ".md").write_text(page)
+    print("\n" + page)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                        help="folder for the table and plot (written only on a GPU)")
+                        help="folder for the results page (written only on a GPU)")
     args = parser.parse_args()
-    print(environment())
     self_check()
-    rows = benchmark()
+    results = benchmark()
     if DEVICE.type == "cuda":
-        save_results(rows, args.results)
-        print("\n## Backward alone\n\n" + markdown_table(rows, "backward") + "\n\n## Forward + backward\n\n"
-              + markdown_table(rows, "fwd+bwd"))
+        save_results(results, args.results)
