@@ -8,8 +8,8 @@ In this tutorial, you will learn about:
   the two: rotate-half (``[-x2, x1]``, GPT-NeoX/LLaMA/TransformerEngine) or rotate-pairs
   (``[-x1, x0, -x3, x2, ...]``, RoFormer/GPT-J);
 * the per-element kernel a first-time Triton user writes (one lane, one output element, one
-  partner index), and what it costs: at tiny sizes the launch; at large sizes, measured, nothing
-  (it streams at copy speed), so the per-element structure is not where RoPE loses its time;
+  partner index), and what it costs: at tiny sizes the launch; at large sizes nothing (it
+  streams at copy speed), so the per-element structure is not where RoPE loses its time;
 * a row-wise kernel that loads both halves of a row once and stores both: the bridge to 02;
 * RoPE built as ``t*cos + rotate_half(t)*sin`` on top of the kernel, differentiable because
   rotate-half is linear (its transpose is ``-rotate_half``), and the memory traffic of that
@@ -22,12 +22,11 @@ This file imports only torch and triton: copy it alone into your project.
 # %%
 # Setup
 # -----
-# With no GPU, run the kernels through Triton's interpreter (numpy on the CPU). The variable has
-# to be set before triton is imported.
+# With no GPU, the kernels run in Triton's interpreter (numpy on the CPU), chosen before triton is imported.
 import argparse
-import datetime
+import hashlib
 import os
-import platform
+import sys
 import time
 
 import torch
@@ -63,10 +62,10 @@ def rotate_half_torch(x, interleaved=False):
 # computes where its partner lives, loads that one element and stores it (negated when the
 # lane's column is the first of its pair). Inputs are seen as a 2-D [rows, d] view with strides.
 # Every lane does an integer division and a modulo, and its load is a gather from the other
-# half of its row. Neither costs anything visible at large sizes (results/01_rotate_half.md):
-# the partner sits in the same cache lines and the arithmetic hides under memory time, so the
-# kernel streams at copy speed. At tiny sizes the launch is the whole cost, and Triton's launch
-# path costs more host time per call than PyTorch's.
+# half of its row. Neither shows at large sizes: the partner sits in the same cache lines and the
+# arithmetic hides under memory time, so the kernel streams at copy speed. At tiny sizes the launch
+# is the whole cost, and Triton's launcher takes more host time than PyTorch's. The benchmark below
+# measures both (results/01_rotate_half_H100.md).
 # The negation happens in float32 for 16-bit inputs, like all arithmetic in this collection's
 # kernels (it is exact either way; Triton 3.9's CPU interpreter gets bf16 negation wrong).
 # float64 stays float64, so torch.autograd.gradcheck can check the backward.
@@ -122,9 +121,9 @@ def rotate_half(x, interleaved=False, transpose=False):
 # Give each program whole rows instead: load the first half and the second half once (each a
 # contiguous, vectorisable load), store (-x2, x1). No division, no gather. For interleaved pairs,
 # load the row contiguously and split it into even and odd channels in registers. On its own it
-# is no faster than kernel 1 (measured: the same up to ~130 MB, a little slower beyond); its
-# value is its structure. A program that holds both halves of a head can apply the whole RoPE
-# formula, cos and sin included, in one pass: that is 02's kernel.
+# is no faster than kernel 1 (see the results page); its value is its structure. A program that
+# holds both halves of a head can apply the whole RoPE formula, cos and sin included, in one pass:
+# that is 02's kernel.
 
 
 @triton.jit
@@ -269,89 +268,71 @@ def self_check():
 # %%
 # Benchmark
 # ---------
-# 1. A tiny (2, 1, 2, 4) tensor: the work is nothing, so the time is the launch. Host time per
-#    call (what a Python loop pays) and GPU time (do_bench) for PyTorch and both kernels.
-# 2. Growing [s, 1, 32, 128] bf16 tensors: GB/s (one read and one write of x) of PyTorch, the
-#    naive kernel and the row kernel, against a device-to-device copy of the same bytes.
-# 3. The RoPE built on the kernel: its time against the copy, i.e. against one fused pass.
+# rotate_half from a tiny (2, 1, 2, 4) tensor, where the launch is the whole cost, to growing [s, 1, 32, 128]
+# ones: PyTorch and both kernels, GPU time and an eager call's cost; then the RoPE built on the kernel. Each
+# against a device-to-device copy of the same bytes, in the same run.
+TIMED = ("bf16. Each cell is GPU time, the median of `triton.testing.do_bench_cudagraph` (work replayed from a CUDA "
+         "graph), except \"eager call\": the median of `triton.testing.do_bench` over ten calls in a row, per call, "
+         "host cost included. (x%): the speed as a fraction of a device-to-device copy of the same bytes, same run.")
 
 
-def _time_ms(fn):
-    if DEVICE.type == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
-def _host_us_per_call(fn, calls=200):
-    fn()
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
+def _us(fn, eager_call=False):
+    """Median us per call: GPU work replayed from a CUDA graph, or (eager_call) ten calls in a row timed as one, so
+    that do_bench's L2 clearing before each timed call cannot hide their host cost. No GPU: one call, timed."""
+    if DEVICE.type != "cuda":
+        start = time.perf_counter()
         fn()
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+        return (time.perf_counter() - start) * 1e6
+    if eager_call:
+        return triton.testing.do_bench(lambda: [fn() for _ in range(10)], return_mode="median") * 100
+    return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
 
 
 def benchmark():
-    lines = []
-
-    def report(line):
-        print(line)
-        lines.append(line)
-
     if DEVICE.type != "cuda":
         print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
               "show that the benchmark runs; they say nothing about speed.")
-    tiny = torch.randn(2, 1, 2, 4, device=DEVICE)
-    report("\n1. tiny (2, 1, 2, 4) float32: the launch is the whole cost\n")
-    report("| provider | host us / call | GPU us (do_bench) |\n|---|---|---|")
-    for name, fn in {"torch rotate_half": lambda: rotate_half_torch(tiny),
-                     "triton naive": lambda: rotate_half(tiny),
-                     "triton rows": lambda: rotate_half_rows(tiny)}.items():
-        report(f"| {name} | {_host_us_per_call(fn, 200 if DEVICE.type == 'cuda' else 3):.1f} | {_time_ms(fn) * 1e3:.1f} |")
+    table, curves, names = [], {}, ("copy", "torch", "naive", "rows")
 
+    def emit(line):
+        print(line)
+        table.append(line)
+    emit("| shape | MB moved | " + " | ".join(names) + " | eager call: torch / naive / rows |\n" + "|---" * 7 + "|")
     seqlens = [2 ** k for k in range(6, 15)] if DEVICE.type == "cuda" else [4, 16]
-    curves = {name: [] for name in ("copy", "torch rotate_half", "triton naive", "triton rows")}
-    report("\n2. rotate_half on [s, 1, 32, 128] bf16: GB/s (read + write of x)\n")
-    report("| s | MB moved | " + " | ".join(curves) + " |\n|---|---|" + "---|" * len(curves))
-    for s in seqlens:
-        x = torch.randn(s, 1, 32, 128, device=DEVICE, dtype=torch.bfloat16)
-        out = torch.empty_like(x)
-        gbytes = 2 * x.numel() * x.element_size() / 1e9
-        fns = {"copy": lambda: out.copy_(x), "torch rotate_half": lambda: rotate_half_torch(x),
-               "triton naive": lambda: rotate_half(x), "triton rows": lambda: rotate_half_rows(x)}
-        for name, fn in fns.items():
-            curves[name].append(gbytes / (_time_ms(fn) * 1e-3))
-        report(f"| {s} | {gbytes * 1e3:.1f} | " + " | ".join(f"{curves[n][-1]:.0f}" for n in curves) + " |")
-
+    for shape in [(2, 1, 2, 4)] + [(s, 1, 32, 128) for s in seqlens]:
+        x = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
+        out, mb = torch.empty_like(x), 2 * x.numel() * x.element_size() / 1e6  # read + write of x
+        fns = dict(zip(names, (lambda: out.copy_(x), lambda: rotate_half_torch(x), lambda: rotate_half(x),
+                               lambda: rotate_half_rows(x))))
+        us = curves[mb] = {name: _us(fn) for name, fn in fns.items()}
+        emit(f"| {shape} | {mb:.3g} | " + " | ".join(f"{us[n]:.1f} us ({100 * us['copy'] / us[n]:.0f}%)" for n in names)
+             + " | " + " / ".join(f"{_us(fns[n], eager_call=True):.1f} us" for n in names[1:]) + " |")
     b, s, h, d = (4, 4096, 32, 128) if DEVICE.type == "cuda" else (1, 16, 2, 64)
     t = torch.randn(s, b, h, d, device=DEVICE, dtype=torch.bfloat16)
-    freqs = torch.randn(s, 1, 1, d, device=DEVICE)
-    out = torch.empty_like(t)
-    copy_ms, naive_ms = _time_ms(lambda: out.copy_(t)), _time_ms(lambda: apply_rope_naive(t, freqs))
-    report(f"\n3. apply_rope_naive on sbhd {(s, b, h, d)} bf16: traffic 9N elements vs 2N for one fused pass "
-           f"(N = {t.numel() / 1e6:.0f}M)\n")
-    report(f"copy of t: {copy_ms * 1e3:.0f} us; apply_rope_naive: {naive_ms * 1e3:.0f} us = "
-           f"{naive_ms / copy_ms:.1f}x the copy (the traffic count predicts 4.5x)")
-    return lines, seqlens, curves
+    freqs, out = torch.randn(s, 1, 1, d, device=DEVICE), torch.empty_like(t)
+    copy_us, naive_us = _us(lambda: out.copy_(t)), _us(lambda: apply_rope_naive(t, freqs))
+    emit(f"\napply_rope_naive on sbhd {(s, b, h, d)}: {naive_us:.0f} us = {naive_us / copy_us:.1f}x a copy of t "
+         f"({copy_us:.0f} us); the traffic count predicts 9N / 2N = 4.5x")
+    return "\n".join(table), curves
 
 
-def environment():
-    gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "none (Triton interpreter)"
-    return (f"device: {gpu}; date: {datetime.date.today()}; torch {torch.__version__}; "
-            f"triton {triton.__version__}; python {platform.python_version()}")
-
-
-def save_results(lines, seqlens, curves, results_dir):
+def write_page(results_dir, table):
+    """results/<script>_<GPU kind>.md: title, environment, command, what is timed, the table, the raw log's name."""
+    here, script = os.path.split(os.path.abspath(__file__))
+    gpu = torch.cuda.get_device_name()
+    stem = script[:-3] + "_" + next((w for w in gpu.split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
+    commit = os.popen(f'git -C "{here}" rev-parse --short HEAD 2>{os.devnull}').read().strip() or "n/a"
+    md5 = hashlib.md5(open(__file__, "rb").read()).hexdigest()[:8]
     os.makedirs(results_dir, exist_ok=True)
-    with open(os.path.join(results_dir, "01_rotate_half.md"), "w") as f:
-        f.write("# rotate_half: naive per-element kernel, row kernel, PyTorch\n\n" + environment()
-                + "\n\nTimes are medians of `triton.testing.do_bench`. Raw log: `01_rotate_half.log`.\n"
-                + "\n".join(lines) + "\n")
+    with open(os.path.join(results_dir, stem + ".md"), "w") as f:
+        f.write(f"# {__doc__.splitlines()[1]}\n\ndevice: {gpu}; date: {time.strftime('%Y-%m-%d')}; "
+                f"torch {torch.__version__}; triton {triton.__version__}; python {sys.version.split()[0]}; "
+                f"commit {commit}; {script} md5 {md5}\n\nCommand: `python {' '.join(sys.argv)}`\n\n"
+                f"{TIMED}\n\n{table}\n\nRaw log: `{stem}.log`.\n")
+    return os.path.join(results_dir, stem)
+
+
+def plot(curves, stem):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -360,25 +341,20 @@ def save_results(lines, seqlens, curves, results_dir):
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, gbps in curves.items():
-        ax.plot([s * 32 * 128 * 2 * 2 / 1e6 for s in seqlens], gbps, marker="o", label=name,
-                ls="--" if name == "copy" else "-")
-    ax.set_xscale("log")
-    ax.set_xlabel("MB moved (read + write)")
-    ax.set_ylabel("GB/s")
-    ax.set_title(f"rotate_half, [s, 1, 32, 128] bf16 ({torch.cuda.get_device_name()})")
+    mbs = sorted(curves)[1:]  # the tiny tensor is off the scale
+    for name in curves[mbs[0]]:
+        ax.plot(mbs, [mb * 1e3 / curves[mb][name] for mb in mbs], marker="o", label=name)
+    ax.set(xscale="log", xlabel="MB moved (read + write)", ylabel="GB/s (GPU time)", title=os.path.basename(stem))
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(results_dir, "01_rotate_half.png"), dpi=120)
+    fig.savefig(stem + ".png", dpi=120)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="rotate_half: naive and row-wise Triton kernels")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                        help="folder for the table and plot (written only on a GPU)")
+                        help="folder for the page and plot (written only on a GPU)")
     args = parser.parse_args()
-    print(environment())
     self_check()
-    results = benchmark()
+    table, curves = benchmark()
     if DEVICE.type == "cuda":
-        save_results(*results, args.results)
+        plot(curves, write_page(args.results, table))

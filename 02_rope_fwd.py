@@ -21,14 +21,12 @@ This file imports only torch and triton: copy it alone into your project.
 # %%
 # Setup
 # -----
-# With no GPU, run the kernels through Triton's interpreter (numpy on the CPU). The variable has
-# to be set before triton is imported.
+# With no GPU, the kernels run in Triton's interpreter (numpy on the CPU), chosen before triton is imported.
 import argparse
-import datetime
-import importlib
+import hashlib
+import itertools
 import os
-import platform
-import statistics
+import sys
 import time
 import weakref
 from typing import Optional
@@ -61,9 +59,8 @@ MAX_HEAD_DIM = 256
 #     y_a = x_a * cos(f_a) - x_b * sin(f_a)
 #     y_b = x_b * cos(f_b) + x_a * sin(f_b)
 #
-# Models build f with its two halves (or both members of a pair) equal, which makes this a true
-# rotation; the formula above does not assume it, and neither does the kernel: f_a and f_b are
-# loaded separately, so any float32 table works.
+# Models build f with equal halves (or pairs), which makes this a true rotation; the kernel does not
+# assume it: it loads f_a and f_b separately, so any float32 table works.
 
 
 def rope_freqs(max_seq_len, rotary_dim, base=10000.0, interleaved=False, device=None):
@@ -85,12 +82,9 @@ def _token_positions(t, tensor_format, cu_seqlens, start_positions):
         seq = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
         pos = tokens - cu_seqlens.long()[seq]
         return pos + (start_positions.long()[seq] if start_positions is not None else 0)
-    s_dim = 0 if tensor_format == "sbhd" else 1
-    pos = torch.arange(t.shape[s_dim], device=t.device)
-    if start_positions is None:
-        return pos.view(-1, 1) if s_dim == 0 else pos.view(1, -1)
-    start = start_positions.long()
-    return pos[:, None] + start[None, :] if s_dim == 0 else start[:, None] + pos[None, :]
+    pos = torch.arange(t.shape[0 if tensor_format == "sbhd" else 1], device=t.device)
+    start = start_positions.long() if start_positions is not None else pos.new_zeros(1)
+    return pos[:, None] + start[None, :] if tensor_format == "sbhd" else start[:, None] + pos[None, :]
 
 
 def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
@@ -102,11 +96,8 @@ def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens
     angles = freqs.reshape(freqs.shape[0], d2)[pos].unsqueeze(-2)  # [..., 1, d2]: one row per token
     dtype = compute_dtype or t.dtype
     x, x_pass = t[..., :d2].to(dtype), t[..., d2:]
-    if interleaved:
-        x_rot = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-    else:
-        x1, x2 = x.chunk(2, dim=-1)
-        x_rot = torch.cat((-x2, x1), dim=-1)
+    x_a, x_b = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+    x_rot = torch.stack((-x_b, x_a), dim=-1).flatten(-2) if interleaved else torch.cat((-x_b, x_a), dim=-1)
     y = x * angles.cos().to(dtype) + x_rot * angles.sin().to(dtype)
     return torch.cat((y.to(t.dtype), x_pass), dim=-1)
 
@@ -114,28 +105,21 @@ def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens
 # %%
 # Memory traffic
 # --------------
-# For N elements of q and k, any implementation must read N and write N, plus the angle rows (4*d2
-# bytes a position, shared through L2 by the whole batch). With a small batch the table is not
-# small: at (b, s, h, d) = (1, 32768, 8, 128) in bf16, q and k move 128 MB and the float32 table
-# 16 MB, a cap of 128/144 = 89% of a copy. Real tables have equal halves, so the kernel reads one
-# half when a flag says so (cap 128/136 = 94%); any other table still works, at the full cost.
-# The eager formula moves x*cos (N read, N written), R(x) (N, N), R(x)*sin (N, N) and the sum
-# (2N, N): 9N, so one fused kernel can be up to ~4.5x faster. Its yardstick is a device-to-device
-# copy of the same bytes, which also reads N and writes N: the benchmark counts those 2N (never
-# the table, which the copy lacks) and reports the fraction of the copy's speed.
+# Any implementation reads and writes the N elements of q and k once, plus the angle rows (4*d2 bytes a
+# position, shared through L2 by the whole batch). With a small batch the table is not small: at
+# (b, s, h, d) = (1, 32768, 8, 128) in bf16, q and k move 128 MB and the float32 table 16 MB, a cap of
+# 128/144 = 89% of a copy. Real tables have equal halves, so the kernel reads one half when a flag says
+# so (cap 128/136 = 94%); any other table still works, at the full cost. The eager formula moves x*cos
+# (N read, N written), R(x) (N, N), R(x)*sin (N, N) and the sum (2N, N): 9N, ~4.5x the 2N of one pass.
+# The yardstick is a device-to-device copy of the same 2N (the table, which the copy lacks, is not counted).
 #
 # The kernel
 # ----------
-# One program takes BLOCK_S tokens of one sequence and *all* heads of q and k: it loads the angles
-# of its tokens and takes cos and sin once, for every head (the angles depend on the position
-# only). Heads go BLOCK_H at a time, so any head count works; each tile is read and written once:
-#
-#     rotate-half: two loads, the halves x[:d2/2] and x[d2/2:d2], each contiguous in memory
-#     interleaved: one contiguous load of x[:d2], split in registers into even and odd channels
-#
-# Pass-through channels (d2 < d) are copied unless the kernel works in place. Offsets are built
-# from the strides in int64 (views, tensors past 2**31 elements). In ``thd`` the batch index picks
-# a sequence through cu_seqlens and the batch stride is zero: one kernel for the three layouts.
+# One program takes BLOCK_S tokens of one sequence and all heads of q and k, BLOCK_H at a time (any head
+# count); the angles depend on the position only, so cos and sin are taken once for every head. Each tile
+# is read and written once, in contiguous loads (_load_pairs). Pass-through channels (d2 < d) are copied
+# unless in place. Offsets come from the strides, in int64 (views, tensors past 2**31 elements). In thd the
+# batch index picks a sequence through cu_seqlens and the batch stride is 0: one kernel for three layouts.
 
 
 @triton.jit
@@ -183,12 +167,10 @@ def rope_fwd_kernel(
     q_ptr, q_out_ptr, k_ptr, k_out_ptr, freqs_ptr, angles_shared_ptr, cu_seqlens_ptr, start_positions_ptr,
     n_batch, n_seq_blocks, seqlen, n_q_heads, n_k_heads, head_dim, rot_dim, n_positions,
     stride_qb, stride_qs, stride_qh, stride_qd, stride_qob, stride_qos, stride_qoh, stride_qod,
-    stride_kb, stride_ks, stride_kh, stride_kd, stride_kob, stride_kos, stride_koh, stride_kod,
-    stride_fs, stride_fd,
-    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
-    N_HEAD_BLOCKS: tl.constexpr, INTERLEAVED: tl.constexpr, IS_THD: tl.constexpr,
-    HAS_START_POSITIONS: tl.constexpr, HAS_K: tl.constexpr, COPY_PASS: tl.constexpr,
-    BATCH_FASTEST: tl.constexpr,
+    stride_kb, stride_ks, stride_kh, stride_kd, stride_kob, stride_kos, stride_koh, stride_kod, stride_fs, stride_fd,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, N_HEAD_BLOCKS: tl.constexpr,
+    INTERLEAVED: tl.constexpr, IS_THD: tl.constexpr, HAS_START_POSITIONS: tl.constexpr, HAS_K: tl.constexpr,
+    COPY_PASS: tl.constexpr, BATCH_FASTEST: tl.constexpr,
 ):
     # A 1-D grid, numbered so that programs running side by side touch neighbouring memory: in
     # sbhd the batch index moves fastest, in bshd and thd the position does.
@@ -209,9 +191,8 @@ def rope_fwd_kernel(
     if HAS_START_POSITIONS:
         pos = s + tl.load(start_positions_ptr + batch)
 
-    # Angles for these tokens: loaded and turned into cos/sin once, shared by every q and k head.
-    # When the table's two halves are equal (as every model's table is: the flag is computed once
-    # per table, on the device), the second half is not loaded: a masked-off load moves no bytes.
+    # The angles of these tokens, turned into cos/sin once for every q and k head. When the table's halves
+    # are equal (the flag), the second half is not loaded: a masked-off load moves no bytes.
     i = tl.arange(0, HALF)
     if INTERLEAVED:
         f_a, f_b = 2 * i, 2 * i + 1
@@ -232,19 +213,17 @@ def rope_fwd_kernel(
     q_rows, q_out_rows = q_ptr + batch * stride_qb + tokens * stride_qs, q_out_ptr + batch * stride_qob + tokens * stride_qos
     k_rows, k_out_rows = k_ptr + batch * stride_kb + tokens * stride_ks, k_out_ptr + batch * stride_kob + tokens * stride_kos
     rows = row_mask[:, None, None]
-    # Walk the heads BLOCK_H at a time. Within a step every load (q and k) is issued before the
-    # first store: the compiler may not move a load above a store that could alias it, so this
-    # order is what keeps two tiles of memory traffic in flight instead of one. The loop is
-    # unrolled (static_range): with no loop boundary, the first tiles' loads need not wait for
-    # the angle loads and the cos/sin above, so their latencies overlap.
+    # Walk the heads BLOCK_H at a time, each step issuing every load (q and k) before its first store:
+    # the compiler may not move a load above a store that could alias it, so this order keeps two tiles
+    # in flight instead of one. Unrolled (static_range), the first tiles' loads need not wait for the
+    # angle loads and the cos/sin above: their latencies overlap.
     for hb in tl.static_range(N_HEAD_BLOCKS):
         h = (hb * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[None, :, None]
         q_mask = rows & (h < n_q_heads)
         q_a, q_b = _load_pairs(q_rows + h * stride_qh, stride_qd, q_mask, rot_dim, BLOCK_S, BLOCK_H, HALF, INTERLEAVED)
         if HAS_K:
             k_mask = rows & (h < n_k_heads)
-            k_a, k_b = _load_pairs(k_rows + h * stride_kh, stride_kd, k_mask, rot_dim, BLOCK_S, BLOCK_H, HALF,
-                                   INTERLEAVED)
+            k_a, k_b = _load_pairs(k_rows + h * stride_kh, stride_kd, k_mask, rot_dim, BLOCK_S, BLOCK_H, HALF, INTERLEAVED)
         _store_rotated(q_out_rows + h * stride_qoh, stride_qod, q_mask, q_a, q_b, cos_a, sin_a, cos_b, sin_b,
                        rot_dim, BLOCK_S, BLOCK_H, HALF, INTERLEAVED)
         if HAS_K:
@@ -261,18 +240,15 @@ def rope_fwd_kernel(
 # %%
 # The wrapper: argument checks, then one launch
 # ---------------------------------------------
-# A bad argument fails here with a message naming it, never inside the kernel and never as a
-# silently wrong result. Shapes, dtypes and devices are free to check; the *values* of cu_seqlens
-# and start_positions live on the GPU, and reading them costs a host sync. q, k and every layer
-# of a batch share those tensors, so the verdict is kept for the last tensors seen (by identity
-# and by version counter, which in-place writes bump): a batch pays for one check. The angle
-# table's "halves equal" flag is kept the same way, computed on the device once per table.
+# A bad argument fails here with a message naming it, never inside the kernel or as a wrong result. The
+# values of cu_seqlens and start_positions live on the GPU and cost a host sync to read; q, k and every
+# layer of a batch share those tensors, so the verdict is kept for the last tensors seen (by identity and
+# version counter, which in-place writes bump), like the table's "halves equal" flag: a batch pays once.
 #
-# Under torch.compile the launch is a torch.library.custom_op: one opaque node that writes its
-# outputs (mutates_args), so fullgraph=True traces the whole call; eager calls launch directly
-# (03 measures what the dispatcher would add). A graph must not sync, so compiled calls skip the
-# value checks, and in thd the grid covers a bound on the longest sequence, min(tokens, rows of
-# freqs): programs past a sequence's end return at once.
+# Under torch.compile the launch is a torch.library.custom_op that writes its outputs (mutates_args), one
+# opaque node for fullgraph=True; eager calls launch directly (03 measures what the dispatcher would add).
+# A graph must not sync, so compiled calls skip the value checks, and in thd the grid covers a bound on
+# the longest sequence, min(tokens, rows of freqs): programs past a sequence's end return at once.
 
 
 _last_results = {}  # what -> (key, weak references to the tensors, result)
@@ -309,15 +285,13 @@ def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
 
 
 def _angles_shared(freqs, interleaved):
-    """int32 [1] on the device: 1 if f_b == f_a everywhere (a true rotation table: the kernel then
-    reads half of it). Computed on the device, kept per table."""
+    """int32 [1], computed on the device: 1 if f_b == f_a everywhere (the kernel then reads half the table)."""
     def compute():
         f = freqs[:, 0, 0]
         f_a, f_b = (f[:, 0::2], f[:, 1::2]) if interleaved else f.chunk(2, dim=-1)
         return (f_a == f_b).all().to(torch.int32).reshape(1)
-    if torch.compiler.is_compiling():  # traced into the graph; the memo is eager-only
-        return compute()
-    return _remember("angles shared", (freqs,), (interleaved,), compute)
+    # Traced into the graph under torch.compile; the memo is eager-only.
+    return compute() if torch.compiler.is_compiling() else _remember("angles shared", (freqs,), (interleaved,), compute)
 
 
 def _layout(t, tensor_format):
@@ -330,9 +304,8 @@ def _layout(t, tensor_format):
 
 
 def _check_outs(tensors, outs, names):
-    """Each output given matches its input and is either that input (in place) or shares no memory
-    with any input: the kernel loads a tile of q and of k before storing either, so an output that
-    overlapped the other input would race. Returns the outputs and whether all are in place."""
+    """Each output given matches its input and is that input (in place) or shares no memory with any input (the
+    kernel loads q and k before storing either: an overlap would race). Returns the outputs, and if all in place."""
     if all(out is None for out in outs):  # fresh outputs cannot overlap anything
         return [torch.empty_like(x) for x in tensors], False
     outs = [torch.empty_like(x) if o is None else o for x, o in zip(tensors, outs)]
@@ -347,17 +320,16 @@ def _check_outs(tensors, outs, names):
         in_place.append(out is x or (not tracing and out.data_ptr() == x.data_ptr() and out.stride() == x.stride()))
     if tracing:  # a traced tensor has no address: the overlap check runs in eager mode only
         return outs, all(in_place)
-    storage = lambda x: x.untyped_storage().data_ptr()  # noqa: E731
     for j, (out, name) in enumerate(zip(outs, out_names)):
         for i, (x, x_name) in enumerate(zip(tensors, names)):
             allowed = in_place[j] and (i == j or all(in_place))  # all in place: a packed qkv is fine
-            if storage(out) == storage(x) and not allowed:
+            if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() and not allowed:
                 raise ValueError(f"{name} shares memory with {x_name}; write in place (pass the inputs "
                                  "themselves as outputs) or to separate buffers")
     return outs, all(in_place)
 
 
-def _next_pow2(n):  # plain Python: triton.next_power_of_2 costs microseconds a call in Triton 3.9
+def _next_pow2(n):  # plain Python: triton.next_power_of_2 is slow on the host in Triton 3.9
     return 1 << (n - 1).bit_length()
 
 
@@ -390,8 +362,8 @@ def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_po
         if x.dtype != t.dtype or (xb, xs, xd) != (batch, seqlen, head_dim):
             raise ValueError(f"{name} must match q in dtype and in every dim but heads: got {tuple(x.shape)} "
                              f"{x.dtype}, q is {tuple(t.shape)} {t.dtype}")
-    extras = [(freqs, "freqs"), (cu_seqlens, "cu_seqlens"), (start_positions, "start_positions")]
-    for x, name in list(zip(tensors, names)) + extras:
+    for x, name in [*zip(tensors, names), (freqs, "freqs"), (cu_seqlens, "cu_seqlens"),
+                    (start_positions, "start_positions")]:
         if isinstance(x, torch.Tensor) and x.device != t.device:
             raise ValueError(f"{name} is on {x.device} but {names[0]} is on {t.device}")
     if tensor_format == "thd":
@@ -437,9 +409,8 @@ def _launch(q: torch.Tensor, q_out: torch.Tensor, k: Optional[torch.Tensor], k_o
     rot_dim, half = freqs.shape[3], _next_pow2(freqs.shape[3] // 2)
     k, k_out = (k, k_out) if k is not None else (q, q_out)
     n_heads = (q.shape[-2], k.shape[-2])
-    # One token per program, its heads in four unrolled steps, few warps: many small programs keep the
-    # most bytes in flight per multiprocessor (the best of a sweep of BLOCK_S x BLOCK_H x warps on an
-    # H200, results/02_rope_fwd_sweep.log: all of the best had BLOCK_S = 1).
+    # One token per program, its heads in four unrolled steps, few warps: many small programs keep the most
+    # bytes in flight per multiprocessor (a sweep of BLOCK_S x BLOCK_H x warps: results/02_rope_fwd_sweep.log).
     block_h = max(1, _next_pow2(max(n_heads)) // 4)
     rope_fwd_kernel[(batch * seqlen,)](
         q, q_out, k, k_out, freqs, angles_shared, cu_seqlens if cu_seqlens is not None else freqs,
@@ -454,9 +425,8 @@ def _launch(q: torch.Tensor, q_out: torch.Tensor, k: Optional[torch.Tensor], k_o
 
 
 def _register_op():
-    """_launch as rope_fwd_tutorial::rope (a fresh name if this file was loaded before), an opaque op
-    that writes its outputs in place (mutates_args); torch.compile's functionalization takes care of
-    the writes, in place or into views of one packed tensor."""
+    """_launch as the op rope_fwd_tutorial::rope (a fresh name if this file was loaded before); torch.compile
+    functionalizes its writes (mutates_args), in place or into views of one packed tensor."""
     n = 0
     while hasattr(torch.ops.rope_fwd_tutorial, f"rope{n or ''}"):
         n += 1
@@ -472,13 +442,11 @@ def rope_fwd(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
              start_positions=None, out=None):
     """Apply RoPE to t in one Triton kernel (TransformerEngine's ``apply_rotary_pos_emb`` forward).
 
-    t: [s, b, h, d] (sbhd) | [b, s, h, d] (bshd) | [total_tokens, h, d] (thd); fp32, fp16 or bf16,
-        any strides, d <= 256.
-    freqs: float32 angles [s2, 1, 1, d2], d2 even, d2 <= d, s2 >= every position used. Only
-        t[..., :d2] is rotated; t[..., d2:] passes through.
+    t: [s, b, h, d] (sbhd) | [b, s, h, d] (bshd) | [total_tokens, h, d] (thd); fp32/fp16/bf16, any strides, d <= 256.
+    freqs: float32 angles [s2, 1, 1, d2], d2 even, d2 <= d, s2 >= every position used. Only t[..., :d2] is rotated;
+        t[..., d2:] passes through.
     interleaved: rotate pairs (x0, x1), (x2, x3), ... (RoFormer, GPT-J) instead of halves.
-    cu_seqlens: int32 [b + 1], thd only: sequence i is tokens cu_seqlens[i]:cu_seqlens[i + 1],
-        its positions starting at 0.
+    cu_seqlens: int32 [b + 1], thd only: sequence i is tokens cu_seqlens[i]:cu_seqlens[i + 1], from position 0.
     start_positions: int [b]: sequence i uses angle rows start_positions[i] onwards (KV cache).
     out: where to write (same shape and dtype as t); ``out=t`` rotates in place.
     Returns the output tensor. Works under torch.compile(fullgraph=True), in place too.
@@ -499,30 +467,23 @@ def rope_fwd_qk(q, k, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens
 # %%
 # Unit test
 # ---------
-# Irregular shapes (odd sequence lengths and head counts, head dim 80, partial rotary), random
-# angles whose halves differ, strided views: every feature against the reference at once.
-# tests/test_02_rope_fwd.py covers the whole matrix; this is the quick check a reader sees.
+# Irregular shapes (odd sequence lengths and head counts, head dim 80, partial rotary), random angles
+# whose halves differ, strided views, GQA: every feature at once (tests/ covers the whole matrix).
 
 
 def self_check():
     torch.manual_seed(0)
     b, s, h, d = (3, 37, 5, 80) if DEVICE.type == "cuda" else (2, 7, 3, 80)
-    for dtype in (torch.float32, torch.bfloat16):
-        for fmt in TENSOR_FORMATS:
-            for interleaved in (False, True):
-                qkv = torch.randn(b, s, 3, h, d, device=DEVICE, dtype=dtype)
-                q, k = qkv[:, :, 0], qkv[:, :, 1, :2]  # strided views; k has fewer heads
-                freqs = torch.randn(s + 4, 1, 1, 48, device=DEVICE)  # partial rotary, halves differ
-                start = torch.randint(0, 5, (b,), device=DEVICE)
-                kwargs = dict(tensor_format=fmt, interleaved=interleaved, start_positions=start)
-                if fmt == "sbhd":
-                    q, k = q.transpose(0, 1), k.transpose(0, 1)
-                elif fmt == "thd":
-                    q, k = q.flatten(0, 1), k.flatten(0, 1)
-                    kwargs["cu_seqlens"] = torch.arange(0, b * s + 1, s, dtype=torch.int32, device=DEVICE)
-                q_out, k_out = rope_fwd_qk(q, k, freqs, **kwargs)
-                for x, y in ((q, q_out), (k, k_out)):
-                    torch.testing.assert_close(y, rope_reference(x, freqs, **kwargs))
+    cu_seqlens = torch.arange(0, b * s + 1, s, dtype=torch.int32, device=DEVICE)
+    for dtype, fmt, interleaved in itertools.product((torch.float32, torch.bfloat16), TENSOR_FORMATS, (False, True)):
+        qkv = torch.randn(b, s, 3, h, d, device=DEVICE, dtype=dtype)
+        q, k = qkv[:, :, 0], qkv[:, :, 1, :2]  # strided views; k has fewer heads
+        q, k = (x.transpose(0, 1) if fmt == "sbhd" else x.flatten(0, 1) if fmt == "thd" else x for x in (q, k))
+        freqs = torch.randn(s + 4, 1, 1, 48, device=DEVICE)  # partial rotary, halves differ
+        kwargs = dict(tensor_format=fmt, interleaved=interleaved, cu_seqlens=cu_seqlens if fmt == "thd" else None,
+                      start_positions=torch.randint(0, 5, (b,), device=DEVICE))
+        for x, y in zip((q, k), rope_fwd_qk(q, k, freqs, **kwargs)):
+            torch.testing.assert_close(y, rope_reference(x, freqs, **kwargs))
     print(f"self-check passed: fp32/bf16 x sbhd/bshd/thd x half/interleaved, d={d}, d2=48, GQA, "
           f"strided views, start_positions (device: {DEVICE.type})")
 
@@ -530,152 +491,104 @@ def self_check():
 # %%
 # Benchmark
 # ---------
-# bf16 q and k of equal shape, the same data in each layout; GB/s counts one read and one write of
-# q and k, and the yardstick is a device-to-device copy of as many bytes, timed in the same run.
-# Optional rows: Liger-Kernel's and flash-attention's Triton rotary kernels, when installed.
-#
-# The time is the GPU's work, replayed from a CUDA graph (the median of three do_bench_cudagraph
-# medians). Calls issued one by one from Python would time the host instead wherever it launches
-# a call slower than the GPU runs it: an eager call of ours costs more host time (argument checks,
-# Triton's launcher; 03's table measures it) than the (32, 512, 12, 64) kernel takes on the GPU.
+# Ours three ways (GPU time; an eager call, host cost included; under torch.compile), the eager formula, compiled
+# too, and Liger's and flash-attention's Triton kernels if importable, against a copy (results/02_rope_fwd_H100.md).
 
 BENCH_SHAPES = [(4, 4096, 32, 128), (32, 512, 12, 64), (1, 32768, 8, 128)]  # (b, s, h, d)
-CPU_SHAPES = [(2, 64, 4, 64)]
+CPU_SHAPES = [(2, 16, 4, 64)]
+TIMED = ("bf16 q and k. Each cell is GPU time, the median of `triton.testing.do_bench_cudagraph` (work replayed from a "
+         "CUDA graph), except \"ours: eager call\": the median of `triton.testing.do_bench` over ten calls in a row, per "
+         "call, host cost included. eager, torch.compile: TransformerEngine's unfused formula. (x%): the speed as a "
+         "fraction of a device-to-device copy of the same bytes, in the same run.")
 
 
-def _time_ms(fn):
-    if DEVICE.type == "cuda":
-        return statistics.median(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-                                 for _ in range(3))
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
-def _import_optional(what, module, name):
-    try:
-        return getattr(importlib.import_module(module), name)
-    except ImportError as e:
-        print(f"({what} not importable, its row is skipped: {e})")
-
-
-def _providers(q, k, freqs, fmt, kwargs, s, extra):
-    """name -> zero-argument function rotating q and k (sequences of length s) in layout fmt."""
-    src = torch.randn(q.numel() + k.numel(), device=DEVICE, dtype=q.dtype)
-    dst, q_out, k_out = torch.empty_like(src), torch.empty_like(q), torch.empty_like(k)
-    fns = {
-        "copy": lambda: dst.copy_(src),
-        "triton (ours)": lambda: rope_fwd_qk(q, k, freqs, q_out=q_out, k_out=k_out, **kwargs),
-        "eager": lambda: (rope_reference(q, freqs, compute_dtype=None, **kwargs),
-                          rope_reference(k, freqs, compute_dtype=None, **kwargs)),
-    }
-    if extra.get("compiled"):
-        fns["torch.compile"] = lambda: extra["compiled"](q, k, freqs, **kwargs)
-    # Both libraries take precomputed cos/sin tables (not counted in their time), in their own shapes.
-    angles = freqs[:s, 0, 0]
-    if extra.get("liger") and fmt == "bshd":  # [b, h, s, d] views of bshd memory, a [1, s, d] table
-        cos, sin = angles.cos().to(q.dtype)[None], angles.sin().to(q.dtype)[None]
-        fns["liger (in place)"] = lambda: extra["liger"](q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    if extra.get("flash-attn"):  # bshd (any strides) or thd, and [s, d/2] tables
-        half_cos, half_sin = (f(angles[:, : angles.shape[1] // 2]).to(q.dtype) for f in (torch.cos, torch.sin))
-        bshd = (lambda x: x.transpose(0, 1)) if fmt == "sbhd" else (lambda x: x)
-        fa_kwargs = dict(cu_seqlens=kwargs["cu_seqlens"], max_seqlen=s) if fmt == "thd" else {}
-        fns["flash-attn"] = lambda: (extra["flash-attn"](bshd(q), half_cos, half_sin, **fa_kwargs),
-                                     extra["flash-attn"](bshd(k), half_cos, half_sin, **fa_kwargs))
-    return fns
+def _us(fn, eager_call=False):
+    """Median us per call: GPU work replayed from a CUDA graph, or (eager_call) ten calls in a row timed as one, so
+    that do_bench's L2 clearing before each timed call cannot hide their host cost. No GPU: one call, timed."""
+    if DEVICE.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e6
+    if eager_call:
+        return triton.testing.do_bench(lambda: [fn() for _ in range(10)], return_mode="median") * 100
+    return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
 
 
 def benchmark():
-    on_gpu = DEVICE.type == "cuda"
-    if not on_gpu:
+    on_gpu, table, liger, flash = DEVICE.type == "cuda", [], None, None
+    eager = lambda q, k, f, **kw: (rope_reference(q, f, compute_dtype=None, **kw),  # noqa: E731
+                                   rope_reference(k, f, compute_dtype=None, **kw))  # TE's unfused formula
+    if on_gpu:
+        torch._dynamo.config.cache_size_limit = 64  # one graph per shape and layout
+        ours_compiled, eager_compiled = torch.compile(rope_fwd_qk, fullgraph=True), torch.compile(eager)
+        try:
+            from liger_kernel.ops.rope import rope_forward as liger
+        except ImportError as e:
+            print(f"(Liger-Kernel not importable, its column is skipped: {e})")
+        try:
+            from flash_attn.ops.triton.rotary import apply_rotary as flash
+        except ImportError as e:
+            print(f"(flash-attention's rotary not importable, its column is skipped: {e})")
+    else:
         print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
               "show that the benchmark runs; they say nothing about speed.")
-    extra = {}
-    if on_gpu:
-        extra["liger"] = _import_optional("Liger-Kernel", "liger_kernel.ops.rope", "rope_forward")
-        extra["flash-attn"] = _import_optional("flash-attention's rotary", "flash_attn.ops.triton.rotary", "apply_rotary")
-        torch._dynamo.config.cache_size_limit = 64  # one graph per shape and layout
-        extra["compiled"] = torch.compile(lambda q, k, freqs, **kw: (rope_reference(q, freqs, **kw),
-                                                                     rope_reference(k, freqs, **kw)))
-    rows = []
     for b, s, h, d in BENCH_SHAPES if on_gpu else CPU_SHAPES:
         freqs = rope_freqs(s, d, device=DEVICE)
         q, k = (torch.randn(b, s, h, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
-        layouts = {
-            "bshd": (q, k, {}),
-            "sbhd": (q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(), {}),
-            "thd": (q.flatten(0, 1), k.flatten(0, 1),
-                    {"cu_seqlens": torch.arange(0, b * s + 1, s, dtype=torch.int32, device=DEVICE)}),
-        }
-        gbytes = 2 * (q.numel() + k.numel()) * q.element_size() / 1e9  # read + write of q and k
-        for fmt, (q_fmt, k_fmt, kwargs) in layouts.items():
-            fns = _providers(q_fmt, k_fmt, freqs, fmt, dict(tensor_format=fmt, **kwargs), s, extra)
-            times = {name: _time_ms(fn) for name, fn in fns.items()}
-            for name, ms in times.items():
-                rows.append(dict(shape=(b, s, h, d), layout=fmt, provider=name, us=ms * 1e3,
-                                 gbps=gbytes / (ms * 1e-3), pct_copy=100 * times["copy"] / ms))
-                print(f"{str((b, s, h, d)):>20} {fmt:>5} {name:>17} {ms * 1e3:9.1f} us "
-                      f"{rows[-1]['gbps']:7.0f} GB/s {rows[-1]['pct_copy']:6.1f}% of copy")
-    return rows
+        src = torch.cat((q.flatten(), k.flatten()))
+        dst, cu_seqlens = torch.empty_like(src), torch.arange(0, b * s + 1, s, dtype=torch.int32, device=DEVICE)
+        # The peers take precomputed bf16 cos/sin tables (not counted in their time), in their own shapes.
+        cos, sin = (f(freqs[:, 0, 0]).to(q.dtype)[None] for f in (torch.cos, torch.sin))  # [1, s, d]
+        half_cos, half_sin = cos[0, :, : d // 2].contiguous(), sin[0, :, : d // 2].contiguous()
+        layouts = {"bshd": (q, k), "sbhd": (q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous()),
+                   "thd": (q.flatten(0, 1), k.flatten(0, 1))}
+        for fmt, (q_f, k_f) in layouts.items():
+            kw = dict(tensor_format=fmt, cu_seqlens=cu_seqlens if fmt == "thd" else None)
+            q_out, k_out = torch.empty_like(q_f), torch.empty_like(k_f)
+            ours = lambda: rope_fwd_qk(q_f, k_f, freqs, q_out=q_out, k_out=k_out, **kw)  # noqa: E731
+            fns = {"copy": lambda: dst.copy_(src), "ours": ours, "ours: eager call": ours,
+                   "eager": lambda: eager(q_f, k_f, freqs, **kw)}
+            if on_gpu:
+                fns["ours: torch.compile"] = lambda: ours_compiled(q_f, k_f, freqs, q_out=q_out, k_out=k_out, **kw)
+                fns["torch.compile"] = lambda: eager_compiled(q_f, k_f, freqs, **kw)
+            if liger and fmt == "bshd":  # in place, on [b, h, s, d] views of bshd memory
+                fns["liger (in place)"] = lambda: liger(q_f.transpose(1, 2), k_f.transpose(1, 2), cos, sin)
+            if flash:  # bshd (any strides) or thd
+                fa_kw = dict(cu_seqlens=cu_seqlens, max_seqlen=s) if fmt == "thd" else {}
+                fns["flash-attn"] = lambda: [flash(x.transpose(0, 1) if fmt == "sbhd" else x, half_cos, half_sin,
+                                                   **fa_kw) for x in (q_f, k_f)]
+            us = {name: _us(fn, name == "ours: eager call") for name, fn in fns.items()}
+            if not table:  # bshd comes first, with every column
+                columns = list(us)
+                table += [f"| shape (b, s, h, d) | layout | {' | '.join(columns)} |", "|---" * (len(us) + 2) + "|"]
+                print("\n".join(table))
+            table.append(f"| {(b, s, h, d)} | {fmt} | " + " | ".join(
+                f"{us[n]:.1f} us ({100 * us['copy'] / us[n]:.0f}%)" if n in us else "n/a" for n in columns) + " |")
+            print(table[-1])
+    return "\n".join(table)
 
 
-def markdown_table(rows):
-    """A line per (shape, layout), a column per provider: GPU time in us and % of the copy's speed."""
-    providers = list(dict.fromkeys(r["provider"] for r in rows))
-    lines = ["| shape (b, s, h, d) | layout | " + " | ".join(providers) + " |", "|---|---|" + "---|" * len(providers)]
-    for key in dict.fromkeys((r["shape"], r["layout"]) for r in rows):
-        cells = {r["provider"]: f"{r['us']:.1f} us ({r['pct_copy']:.0f}%)" for r in rows
-                 if (r["shape"], r["layout"]) == key}
-        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells.get(p, "n/a") for p in providers) + " |")
-    return "\n".join(lines)
-
-
-def environment():
-    gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "none (Triton interpreter)"
-    return (f"device: {gpu}; date: {datetime.date.today()}; torch {torch.__version__}; "
-            f"triton {triton.__version__}; python {platform.python_version()}")
-
-
-def save_results(rows, name, title, results_dir):
-    """results/<name>.md (environment + table) and, with matplotlib, results/<name>.png."""
+def write_page(results_dir, table):
+    """results/<script>_<GPU kind>.md: title, environment, command, what is timed, the table, the raw log's name."""
+    here, script = os.path.split(os.path.abspath(__file__))
+    gpu = torch.cuda.get_device_name()
+    stem = script[:-3] + "_" + next((w for w in gpu.split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
+    commit = os.popen(f'git -C "{here}" rev-parse --short HEAD 2>{os.devnull}').read().strip() or "n/a"
+    md5 = hashlib.md5(open(__file__, "rb").read()).hexdigest()[:8]
     os.makedirs(results_dir, exist_ok=True)
-    with open(os.path.join(results_dir, name + ".md"), "w") as f:
-        f.write(f"# {title}\n\n{environment()}\n\nbf16 q and k of equal shape; GPU time, the median of three "
-                f"`triton.testing.do_bench_cudagraph` medians; (x%): the speed as a fraction of a device-to-device "
-                f"copy of the same bytes, in the same run. Raw log: `{name}.log`.\n\n{markdown_table(rows)}\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
-        return
-    groups = list(dict.fromkeys((r["shape"], r["layout"]) for r in rows))
-    providers = [p for p in dict.fromkeys(r["provider"] for r in rows) if p != "copy"]
-    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(groups)), 4.5))
-    width = 0.8 / len(providers)
-    for n, provider in enumerate(providers):
-        pct = {(r["shape"], r["layout"]): r["pct_copy"] for r in rows if r["provider"] == provider}
-        ax.bar([g + n * width for g in range(len(groups))], [pct.get(g, 0) for g in groups], width, label=provider)
-    ax.axhline(100, color="black", lw=0.8, ls="--")
-    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
-    ax.set_xticklabels([f"{shape}\n{layout}" for shape, layout in groups], fontsize=7)
-    ax.set_ylabel("% of device-to-device copy bandwidth")
-    ax.set_title(f"{title} ({environment().split(';')[0].removeprefix('device: ')})")
-    ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(os.path.join(results_dir, name + ".png"), dpi=120)
+    with open(os.path.join(results_dir, stem + ".md"), "w") as f:
+        f.write(f"# {__doc__.splitlines()[1]}\n\ndevice: {gpu}; date: {time.strftime('%Y-%m-%d')}; "
+                f"torch {torch.__version__}; triton {triton.__version__}; python {sys.version.split()[0]}; "
+                f"commit {commit}; {script} md5 {md5}\n\nCommand: `python {' '.join(sys.argv)}`\n\n"
+                f"{TIMED}\n\n{table}\n\nRaw log: `{stem}.log`.\n")
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                        help="folder for the table and plot (written only on a GPU)")
+                        help="folder for the page (written only on a GPU)")
     args = parser.parse_args()
-    print(environment())
     self_check()
-    rows = benchmark()
+    table = benchmark()
     if DEVICE.type == "cuda":
-        gpu_kind = next((w for w in torch.cuda.get_device_name().split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
-        save_results(rows, f"02_rope_fwd_{gpu_kind}", "RoPE forward, q and k", args.results)  # per kind of GPU
-        print("\n" + markdown_table(rows))
+        write_page(args.results, table)

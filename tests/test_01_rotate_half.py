@@ -101,3 +101,14 @@ def test_errors():
         m.apply_rope_naive(torch.randn(4, 1, 2, 4, device=DEVICE), freqs[..., :6])
     with pytest.raises(TypeError, match="freqs must be a float32"):
         m.apply_rope_naive(t, freqs.double())
+
+
+def test_write_page(tmp_path, monkeypatch):
+    """The page writer runs only on a GPU: check its file name and sections with a stand-in device name."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H100 80GB HBM3")
+    stem = m.write_page(str(tmp_path), "| provider |\n|---|")
+    page = (tmp_path / "01_rotate_half_H100.md").read_text()
+    assert stem == str(tmp_path / "01_rotate_half_H100")
+    for part in ("device: NVIDIA H100", "01_rotate_half.py md5 ", "Command: `python ", "do_bench_cudagraph",
+                 "| provider |", "Raw log: `01_rotate_half_H100.log`"):
+        assert part in page

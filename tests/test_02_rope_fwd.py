@@ -277,3 +277,13 @@ def test_offsets_past_2_31_elements():
     torch.testing.assert_close(out[:, tail], expected)
     del t, out
     torch.cuda.empty_cache()
+
+
+def test_write_page(tmp_path, monkeypatch):
+    """The page writer runs only on a GPU: check its file name and sections with a stand-in device name."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H200")
+    rope.write_page(str(tmp_path), "| shape (b, s, h, d) |\n|---|")
+    page = (tmp_path / "02_rope_fwd_H200.md").read_text()
+    for part in ("device: NVIDIA H200", "02_rope_fwd.py md5 ", "Command: `python ", "do_bench_cudagraph",
+                 "| shape (b, s, h, d) |", "Raw log: `02_rope_fwd_H200.log`"):
+        assert part in page
