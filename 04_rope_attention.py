@@ -4,21 +4,19 @@ RoPE fused into attention, forward and backward
 
 In this tutorial, you will learn about:
 
-* where the rotation belongs: RoPE is O(s) work and attention O(s^2), so K is rotated once in a
-  pass of its own, q in the forward's prologue, both saved rotated: no attention loop rotates;
-* a rotated layout (the halves of each pair side by side, zero-padded) in which every loop loads
-  one whole tile per step and computes QK^T as one dot;
-* the backward in the rotated basis, rotated back once as dk and dq are stored (exact: RoPE is
-  linear and acts on each row alone); dq by a second kernel that loops the other way, in a fixed
-  order, rather than by FlashAttention 2's float32 atomics;
-* online softmax with key-padding and causal masks, grouped-query attention, odd lengths, head
-  dims that are not powers of two, partial rotary, both pairings, packed qkv;
-* programmatic dependent launch (Hopper), and opaque ``torch.library.custom_op``s that
-  ``torch.compile(fullgraph=True)`` takes whole;
+* where the rotation belongs: RoPE is O(s) work and attention O(s^2), so K is rotated once in a pass of its own,
+  q in the forward's prologue, both saved rotated: no attention loop rotates;
+* a rotated layout (the halves of each pair side by side, zero-padded) in which every loop loads one whole tile
+  per step and computes QK^T as one dot;
+* the backward in the rotated basis, rotated back once as dk and dq are stored (exact: RoPE is linear and acts on
+  each row alone); dq by a second kernel that loops the other way, in a fixed order, rather than by atomics;
+* online softmax with key-padding and causal masks, grouped-query attention, odd lengths, head dims that are not
+  powers of two, partial rotary, both pairings, packed qkv;
+* opaque ``torch.library.custom_op``s that ``torch.compile(fullgraph=True)`` takes whole;
 * benchmarking against 03's RoPE followed by SDPA (cuDNN, flash) and FlexAttention, eager and compiled.
 
-Run ``python 04_rope_attention.py``: it checks itself against a float32 PyTorch reference, then
-benchmarks. This file imports only torch and triton: copy it alone into your project.
+Run ``python 04_rope_attention.py``: it checks itself against a float32 PyTorch reference, then benchmarks. This
+file imports only torch and triton: copy it alone into your project.
 """
 
 # %%
@@ -28,12 +26,12 @@ benchmarks. This file imports only torch and triton: copy it alone into your pro
 # triton is imported.
 import argparse
 import datetime
-import functools
 import hashlib
 import importlib.util
 import math
 import os
-import statistics
+import platform
+import subprocess
 import sys
 import time
 from typing import List, Optional, Tuple
@@ -47,16 +45,16 @@ import triton
 import triton.language as tl
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: a global there must be a tl.constexpr
 
 # %%
 # The PyTorch reference
 # ---------------------
-# RoPE with 02's semantics (freqs are float32 angles [s2, 1, 1, d2]; the first d2 channels are
-# rotated, rotate-half or interleaved pairs, with any angles), then softmax attention written
-# out, in float32. A key-padding mask follows Hugging Face: attention_mask[b, j] = 1 for a real
-# token, 0 for padding; a query row that sees no key returns zeros.
+# RoPE with 02's semantics (freqs are float32 angles [s2, 1, 1, d2]; the first d2 channels are rotated, rotate-half
+# or interleaved pairs, with any angles), then softmax attention written out, in float32. A key-padding mask follows
+# Hugging Face: attention_mask[b, j] = 1 for a real token, 0 for padding; a query row that sees no key returns zeros.
 
 
 def rope_freqs(max_seq_len, rotary_dim, base=10000.0, interleaved=False, device=None):
@@ -69,95 +67,70 @@ def rope_freqs(max_seq_len, rotary_dim, base=10000.0, interleaved=False, device=
 
 def rope_reference(t, freqs, interleaved=False):
     """RoPE on t [b, s, h, d] in float32."""
-    d2, s = freqs.shape[-1], t.shape[1]
-    angles = freqs[:s, 0, 0][None, :, None, :]
+    d2, angles = freqs.shape[-1], freqs[:t.shape[1], 0, 0][None, :, None, :]
     x, x_pass = t[..., :d2].float(), t[..., d2:].float()
     if interleaved:
         x_rot = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
     else:
-        x1, x2 = x.chunk(2, dim=-1)
-        x_rot = torch.cat((-x2, x1), dim=-1)
+        x_rot = torch.cat((-x[..., d2 // 2:], x[..., :d2 // 2]), dim=-1)
     return torch.cat((x * angles.cos() + x_rot * angles.sin(), x_pass), dim=-1)
 
 
-def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_scale=None, interleaved=False,
-                        tensor_format="bshd"):
-    """float32 RoPE then softmax attention; the output in float32, in q's layout."""
-    if tensor_format == "sbhd":
-        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_scale=None, interleaved=False):
+    """float32 RoPE then softmax attention on [b, s, h, d]; the output [b, s, h, d] in float32."""
     group, s = q.shape[2] // k.shape[2], q.shape[1]
     q, k = rope_reference(q, freqs, interleaved), rope_reference(k, freqs, interleaved)
     k, v = k.repeat_interleave(group, dim=2), v.float().repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * (sm_scale or q.shape[-1] ** -0.5)
-    visible = torch.ones(s, s, dtype=torch.bool, device=q.device)
-    visible = (visible.tril() if causal else visible)[None, None]
+    visible = torch.ones(s, s, dtype=torch.bool, device=q.device).tril(0 if causal else s)[None, None]
     if attention_mask is not None:
         visible = visible & attention_mask.bool()[:, None, None, :]
     p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)  # empty rows: 0
-    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
-    return out.transpose(0, 1) if tensor_format == "sbhd" else out
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
 
 
 # %%
 # Where to rotate: FLOPs and bytes
 # --------------------------------
-# QK^T and PV are 4*b*h*s^2*d FLOPs (half when causal), the backward about 2.5 times that, on
-# O(b*s*h*d) inputs: attention is bound by arithmetic from a few hundred tokens on, and RoPE is a
-# question of bytes and of where its instructions go. In units U = b*s*h*d elements:
-# - RoPE then attention (03 + SDPA or FlexAttention): RoPE reads q, k and writes rotated copies
-#   (4U), attention reads them and v and writes o (4U); the backward reads 5U and writes 3U, then
-#   RoPE's backward reads and writes dq and dk (4U): 8U + 12U.
-# - Here: a pass rotates K once (2U) and writes cos and sin once per position into a float32 table
-#   [s, 4 * HALF] that the other kernels read; the forward rotates its q tile in the prologue and,
-#   when a backward will run, saves it (1U); attention reads 4U. The backward reads the saved rq
-#   and rk and rotates dk and dq back as they are stored: 7U + 8U, every loop plain FlashAttention
-#   (its dq kernel reads rq, rk, v and dO a second time: 4U more).
-# What did not help (results/04_rope_attention_ab.log, an H100 and an H200):
-# - rotating each K tile inside the loops, with no pass: the forward is 3-14% faster up to
-#   s = 1024, 10-20% slower from 2048, and forward + backward slower everywhere (1-15%);
-# - rotating q again in the backward instead of saving rq: forward 2-6% faster at s = 512,
-#   forward + backward 2-3% slower (the write moves into a kernel bound by bytes);
-# - sin and cos per element in each prologue instead of the table: as costly as the whole loop at s = 512.
+# QK^T and PV are 4*b*h*s^2*d FLOPs (half when causal), the backward about 2.5 times that, on O(b*s*h*d) inputs:
+# attention is bound by arithmetic from a few hundred tokens on, and RoPE is a question of bytes and of where its
+# instructions go. In units U = b*s*h*d elements, forward + backward:
+# - RoPE then attention (03 + SDPA or FlexAttention): RoPE reads q, k and writes rotated copies (4U), attention
+#   reads them and v and writes o (4U); attention's backward reads 5U and writes 3U, RoPE's reads and writes dq and
+#   dk (4U): 8U + 12U.
+# - Here: a pass rotates K once (2U) and writes cos and sin once per position into a float32 table [s, 4 * HALF];
+#   the forward rotates its q tile in the prologue and, when a backward will run, saves it (1U); attention reads
+#   4U. The backward reads the saved rq and rk and rotates dk and dq back as they are stored: 7U + 8U, every loop
+#   plain FlashAttention (its dq kernel reads rq, rk, v and dO again: 4U more).
 #
 # The rotated layout
 # ------------------
-# QK^T sums over channels, so q and k may hold them in any order they share. rq [b, h, s, W] and
-# rk [b, h_kv, s, W] hold per row the a members of the d2/2 pairs (rotate-half: channel i;
-# interleaved: 2i), zero-padded to a power of two HALF, then the b members likewise, then the
-# d - d2 channels that are not rotated: W = 2 * HALF + d - d2. A loop loads a tile as one
-# [rows, 2 * HALF] block with no channel mask, and QK^T is one dot (plus one for the pass-through
-# channels). q and k are rotated in float32 and rounded once.
+# QK^T sums over channels, so q and k may hold them in any order they share. rq [b, h, s, W] and rk [b, h_kv, s, W]
+# hold per row the a members of the d2/2 pairs (rotate-half: channel i; interleaved: 2i), zero-padded to a power
+# of two HALF, then the b members likewise, then the d - d2 channels that are not rotated: W = 2 * HALF + d - d2.
+# A loop loads a tile as one [rows, 2 * HALF] block with no channel mask, and QK^T is one dot (plus one for the
+# pass-through channels). q and k are rotated in float32 and rounded once.
 #
 # The backward
 # ------------
-# S = scale * Rq Rk^T, Rq being q with each row rotated by its position's angles. d(Rq) = scale *
-# dS Rk and d(Rk) = scale * dS^T Rq accumulate in the rotated basis; each row's rotation is linear
-# and depends only on its position, so dq = R^T d(Rq) row by row (the sines trade halves and
-# change sign), applied once per finished tile.
-# One program per block of keys loops over the query tiles: it recomputes P^T = exp(S^T - lse) and
-# dP^T = V dO^T, and accumulates dV += P^T dO and d(Rk) += dS^T Rq in registers. A second kernel,
-# one program per block of queries, loops over the keys, recomputes P and dP, and accumulates
-# d(Rq) += dS Rk: 7 matmuls per pair of tiles instead of 5, every sum in a fixed order (the same
-# bits on every run), and dq written once, rotated back, in its own dtype. Both kernels subtract
-# delta = rowsum(dO * O) from dP; the dq kernel runs first and computes it in its prologue, next to
-# the dO tile it loads anyway, for the dkdv kernel to read: a launch and a read of dO fewer than a
-# kernel of its own (forward + backward 2.6-3.3% faster at s = 512, d = 64 on an H100 and an H200,
-# 0.5-1.5% with a padding mask, within 1.5% either way from s = 2048;
-# results/04_rope_attention_ab.log, part 4).
-# FlashAttention 2 computes d(Rq) in the first kernel instead, adding each block's share into a
-# float32 sum with atomics (zeroed first, then rotated back and rounded by a pass): 5 matmuls, but a
-# float32 sum as large as q is written, added to and read back. That route measured slower at every
-# benchmark shape on an H100 and an H200 (results/04_rope_attention_ab.log): forward + backward
-# 1.4-16% at d = 64 (433 against 380 us at BERT-base's shape on an H100) and 1.6-1.8% at d = 128
-# with a causal mask. One launch per block of keys, which would fix the atomics' order, leaves too
-# few programs per launch (25-42% slower forward + backward).
+# S = scale * Rq Rk^T, Rq being q with each row rotated by its position's angles. d(Rq) = scale * dS Rk and
+# d(Rk) = scale * dS^T Rq accumulate in the rotated basis; each row's rotation is linear and depends only on its
+# position, so dq = R^T d(Rq) row by row (the sines trade halves and change sign), applied once per finished tile.
+# One program per block of keys loops over the query tiles, recomputes P^T = exp(S^T - lse) and dP^T = V dO^T, and
+# accumulates dV += P^T dO and d(Rk) += dS^T Rq. A second kernel, one program per block of queries, loops over the
+# keys and accumulates d(Rq) += dS Rk: 7 matmuls per pair of tiles instead of 5, but every sum in a fixed order
+# (the same bits on every run) and dq written once, rotated back, in its own dtype.
+# Both kernels subtract delta = rowsum(dO * O) from dP: the dq kernel runs first and computes it next to the dO tile
+# it loads anyway, for the dkdv kernel to read (a launch and a read of dO fewer than a kernel of its own).
 #
-# Programmatic dependent launch (Hopper on) lets a kernel's programs start while the one before it
-# drains its last wave; each waits (gdc_wait) before it reads what that kernel wrote, or writes
-# anything. At s = 512 this takes 2-3 us off a 61-64 us forward; at (4, 32, 4096, 128) it costs
-# 1-2% of the forward (results/04_rope_attention_ab.log).
-# Offsets: a head's base pointer is int64; offsets within a head are int32 (fewer registers next
-# to the accumulators) unless they could reach 2^31 (WIDE).
+# What did not help (results/04_rope_attention_ab.log):
+# - rotating each K tile inside the loops, with no pass: the forward faster on short sequences and slower on long
+#   ones, forward + backward slower everywhere;
+# - rotating q again in the backward instead of saving rq: a faster forward, a slower forward + backward (the
+#   write moves into a kernel bound by bytes);
+# - sin and cos per element in each prologue instead of the table;
+# - FlashAttention 2's d(Rq), added by the first kernel into a float32 sum as large as q with atomics: slower at
+#   every benchmark shape; one launch per block of keys, which would fix their order, leaves too few programs.
 
 # %%
 # The kernels
@@ -166,18 +139,10 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 
 @triton.jit
 def _positions(start, BLOCK: tl.constexpr, WIDE: tl.constexpr):
-    """Positions start ... start + BLOCK - 1 as int32, or int64 when offsets could pass 2^31 (WIDE)."""
+    """Positions start ... start + BLOCK - 1. A head's base pointer is int64; offsets within it are int32 (fewer
+    registers next to the accumulators) unless they could reach 2^31 (WIDE)."""
     pos = start + tl.arange(0, BLOCK)
     return pos.to(tl.int64) if WIDE else pos
-
-
-@triton.jit
-def _after_previous_kernel(PDL: tl.constexpr):
-    """Under programmatic dependent launch: wait until the kernel before has finished and its writes
-    are visible, then let the next kernel's programs launch (both are no-ops without it)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -190,9 +155,8 @@ def _load(ptrs, mask, other, UNMASKED: tl.constexpr):
 
 @triton.jit
 def _load_pairs(rows, stride_d, rows_ok, half, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """The a and b members of the pairs of `rows`, [rows, HALF] each, float32, 0 past `half`. Interleaved
-    pairs are loaded as one contiguous row and split in registers: two loads of every other channel
-    would not vectorize."""
+    """The a and b members of the pairs of `rows`, [rows, HALF] each, float32, 0 past `half`. Interleaved pairs are
+    loaded as one contiguous row and split in registers: two loads of every other channel would not vectorize."""
     if INTERLEAVED:
         c = tl.arange(0, 2 * HALF)[None, :]
         x = tl.load(rows + c * stride_d, mask=rows_ok & (c < 2 * half), other=0.0).to(tl.float32)
@@ -217,12 +181,12 @@ def _rotate(x_a, x_b, cos_a, sin_a, cos_b, sin_b):
 
 
 @triton.jit
-def _store_gradient(rows, stride_d, rows_ok, g_r, g_p, cos_a, sin_a, cos_b, sin_b, half, n_pass, HALF: tl.constexpr,
+def _store_gradient(rows, stride_d, rows_ok, pos, trig_ptr, g_r, g_p, half, n_pass, HALF: tl.constexpr,
                     PASS: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr):
-    """Store a gradient held in the rotated layout (g_r: [rows, 2 * HALF], the halves side by side;
-    g_p: the pass-through channels) in the tensor's own basis, layout and dtype: R^T g, then g_p.
-    The inverse of _load_pairs for the rotated channels."""
+    """Store a gradient of the rows at positions `pos` held in the rotated layout (g_r: [rows, 2 * HALF]; g_p: the
+    pass-through channels) in the tensor's own basis, layout and dtype: R^T g, then g_p (_load_pairs' inverse)."""
     dtype = rows.dtype.element_ty
+    cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, pos, rows_ok, HALF)
     g_a, g_b = tl.split(tl.permute(tl.reshape(g_r, (g_r.shape[0], 2, HALF)), (0, 2, 1)))
     y_a, y_b = g_a * cos_a + g_b * sin_b, g_b * cos_b - g_a * sin_a
     if INTERLEAVED:
@@ -248,11 +212,10 @@ def _per_head(t, HEADS: tl.constexpr):
 def rope_pass_kernel(x_ptr, y_ptr, freqs_ptr, trig_ptr, seqlen, n_heads, half, n_pass,
                      stride_xb, stride_xs, stride_xh, stride_xd, stride_yb, stride_ys, stride_yh, stride_yd,
                      stride_fs, stride_fd, BLOCK_S: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr,
-                     PASS: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, PDL: tl.constexpr):
-    """BLOCK_S positions x HEADS heads of one sequence, one tile of BLOCK_S * HEADS rows: y = R x, from
-    x's own layout into the rotated one (k to rk), with cos and sin taken once per position; the
-    programs of sequence 0 write them to the table the other kernels read."""
-    _after_previous_kernel(PDL)
+                     PASS: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr):
+    """BLOCK_S positions x HEADS heads of one sequence, one tile of BLOCK_S * HEADS rows: y = R x, from x's own
+    layout into the rotated one (k to rk), with cos and sin taken once per position; the programs of sequence 0
+    write them to the table the other kernels read."""
     pid_s, b, pid_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     r = tl.arange(0, BLOCK_S * HEADS)
     pos, head = (pid_s * BLOCK_S + r // HEADS).to(tl.int64), pid_h * HEADS + r % HEADS
@@ -283,9 +246,9 @@ def rope_pass_kernel(x_ptr, y_ptr, freqs_ptr, trig_ptr, seqlen, n_heads, half, n
 @triton.jit
 def _masked(x, q_idx, k_idx, seqlen, key_mask_row, fill, diagonal, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
             EVEN_N: tl.constexpr):
-    """x, `fill` where a query may not see a key: past the end, padded, or (causal) later. q_idx and
-    k_idx index x's rows and columns, either way round ([m, 1] and [1, n], or the transpose). With no
-    bounds or padding to test, the causal test runs only on tiles that cross the diagonal."""
+    """x, `fill` where a query may not see a key: past the end, padded, or (causal) later. q_idx and k_idx index
+    x's rows and columns, either way round ([m, 1] and [1, n], or the transpose). With no bounds or padding to
+    test, the causal test runs only on tiles that cross the diagonal."""
     if (not EVEN_N) or HAS_MASK:
         visible = k_idx < seqlen
         if HAS_MASK:
@@ -302,8 +265,8 @@ def _masked(x, q_idx, k_idx, seqlen, key_mask_row, fill, diagonal, CAUSAL: tl.co
 @triton.jit
 def _scores(x_r, x_p, y_rows, y_ok, n_pass, HALF: tl.constexpr, PASS: tl.constexpr, HAS_PASS: tl.constexpr,
             EVEN: tl.constexpr):
-    """x y^T for a tile x held in registers (x_r: the rotated halves, x_p: the pass-through channels)
-    and the rows y_rows of rq or rk, loaded whole; returns the scores and y's two parts."""
+    """x y^T for a tile x held in registers (x_r: the rotated halves, x_p: the pass-through channels) and the rows
+    y_rows of rq or rk, loaded whole; returns the scores and y's two parts."""
     y_r = _load(y_rows + tl.arange(0, 2 * HALF)[None, :], y_ok, 0.0, EVEN)
     scores = tl.dot(x_r, tl.trans(y_r))
     y_p = x_p  # (unused without HAS_PASS)
@@ -323,7 +286,6 @@ def rope_attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     W: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, SAVE_RQ: tl.constexpr, WIDE: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """One block of queries of one head: the output rows and their log-sum-exp (base 2)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -335,7 +297,6 @@ def rope_attn_fwd_kernel(
     # prologue: this block's q rows rotated, the halves side by side, rounded to q's dtype, saved for the backward
     q_rows = q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs
     q_a, q_b = _load_pairs(q_rows, stride_qd, m_ok, half, HALF, INTERLEAVED)
-    _after_previous_kernel(PDL)  # the pass's rk and trig
     cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, offs_m, m_ok, HALF)
     q_a, q_b = _rotate(q_a, q_b, cos_a, sin_a, cos_b, sin_b)
     q_r = tl.reshape(tl.permute(tl.join(q_a, q_b), (0, 2, 1)), (BLOCK_M, 2 * HALF)).to(q_ptr.dtype.element_ty)
@@ -347,8 +308,7 @@ def rope_attn_fwd_kernel(
             tl.store(rq_rows + 2 * HALF + c, q_p, mask=m_ok & (c < n_pass))
     rk_head = rk_ptr + (bh // group).to(tl.int64) * seqlen * W  # rk is [b, h_kv, s, W]: row b * h_kv + h // group
     v_head = v_ptr + b * stride_vb + (h // group) * stride_vh
-    # scores are scaled by qk_scale (the softmax scale in log2 units, for exp2) in float32, in the same
-    # multiply-add that subtracts the running max
+    # qk_scale (the softmax scale in log2 units, for exp2) is applied in the multiply-add that subtracts the max
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max of the scaled scores
     l_i = tl.zeros((BLOCK_M,), tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -384,7 +344,7 @@ def rope_attn_bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh, stride_dkd, stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     W: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One block of keys of one k/v head: dK and dV, summed over the q heads of its group."""
     pid_n, bhk = tl.program_id(0), tl.program_id(1)
@@ -402,7 +362,6 @@ def rope_attn_bwd_dkdv_kernel(
     dk_r = tl.zeros((BLOCK_N, 2 * HALF), tl.float32)
     dk_p = tl.zeros((BLOCK_N, PASS), tl.float32)
     dv = tl.zeros((BLOCK_N, D), tl.float32)
-    _after_previous_kernel(PDL)  # delta, from the dq kernel
     start = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0  # causal: earlier queries cannot see these keys
     for g in range(group):
         bh = b * n_heads + hk * group + g
@@ -427,10 +386,8 @@ def rope_attn_bwd_dkdv_kernel(
                 dk_p = tl.dot(ds_t, q_p, dk_p)
     # epilogue: dk = R^T d(Rk), scaled (dS/dRk = sm_scale * dS^T Rq; qk_scale is in log2 units)
     sm_scale = qk_scale * LN2
-    cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, offs_n, n_ok, HALF)
-    _store_gradient(dk_ptr + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks, stride_dkd, n_ok,
-                    dk_r * sm_scale, dk_p * sm_scale, cos_a, sin_a, cos_b, sin_b, half, n_pass, HALF, PASS,
-                    INTERLEAVED, HAS_PASS)
+    _store_gradient(dk_ptr + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks, stride_dkd, n_ok, offs_n,
+                    trig_ptr, dk_r * sm_scale, dk_p * sm_scale, half, n_pass, HALF, PASS, INTERLEAVED, HAS_PASS)
     tl.store(dv_ptr + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvs + d * stride_dvd,
              dv.to(dv_ptr.dtype.element_ty), mask=n_ok & (d < head_dim))
 
@@ -443,10 +400,9 @@ def rope_attn_bwd_dq_kernel(
     stride_ob, stride_os, stride_oh, stride_od, stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     W: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One block of queries of one q head: dQ, summed over the keys it sees in a fixed order."""
-    _after_previous_kernel(PDL)
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
     offs_m = _positions(pid_m * BLOCK_M, BLOCK_M, WIDE)
@@ -459,8 +415,7 @@ def rope_attn_bwd_dq_kernel(
     do = tl.load(do_ptr + b * stride_db + h * stride_dh + offs_m[:, None] * stride_ds + d * stride_dd,
                  mask=m_ok & (d < head_dim), other=0.0)
     lse = tl.load(lse_ptr + bh.to(tl.int64) * seqlen + offs_m, mask=offs_m < seqlen, other=float("inf"))
-    # delta = rowsum(dO * O), the softmax backward's dP correction: computed here, where dO is loaded
-    # anyway, and stored for the dkdv kernel that runs next
+    # delta = rowsum(dO * O), the softmax backward's dP correction, stored for the dkdv kernel that runs next
     o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + d * stride_od,
                 mask=m_ok & (d < head_dim), other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
@@ -482,20 +437,18 @@ def rope_attn_bwd_dq_kernel(
         dq_r = tl.dot(ds, k_r, dq_r)
         if HAS_PASS:
             dq_p = tl.dot(ds, k_p, dq_p)
-    cos_a, sin_a, cos_b, sin_b = _trig(trig_ptr, offs_m, m_ok, HALF)
-    _store_gradient(dq_ptr + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs, stride_dqd, m_ok,
-                    dq_r * (qk_scale * LN2), dq_p * (qk_scale * LN2), cos_a, sin_a, cos_b, sin_b, half, n_pass, HALF,
-                    PASS, INTERLEAVED, HAS_PASS)
+    _store_gradient(dq_ptr + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs, stride_dqd, m_ok, offs_m,
+                    trig_ptr, dq_r * (qk_scale * LN2), dq_p * (qk_scale * LN2), half, n_pass, HALF, PASS, INTERLEAVED,
+                    HAS_PASS)
 
 
 # %%
 # Launching the kernels
 # ---------------------
-# Tile configs (BLOCK_M, BLOCK_N, warps, stages) per kernel and shape class, from per-shape sweeps
-# on an H100 (results/04_rope_attention_sweep.log; the backward's, results/04_rope_attention_ab.log):
-# at d = 64 short sequences want small query blocks in the forward (more programs to fill the GPU),
-# longer ones 128 x 128; at d = 128 causality favours the smaller tiles; at d = 64 the dq kernel
-# wants 4 warps with a padding mask, 8 without. The interpreter runs 32 x 32 tiles.
+# Tile configs (BLOCK_M, BLOCK_N, warps, stages) per kernel and shape class, from per-shape sweeps (results/
+# 04_rope_attention_sweep.log; the backward's, _ab.log): at d = 64 short sequences want small query blocks in the
+# forward (more programs to fill the GPU), longer ones 128 x 128; at d = 128 causality favours the smaller tiles; at
+# d = 64 the dq kernel wants 4 warps with a padding mask, 8 without. The interpreter runs 32 x 32 tiles.
 CONFIGS = {
     ("fwd", "d<=64, s<=1024"): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
     ("fwd", "d<=64, s>1024"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3),
@@ -521,153 +474,108 @@ def _config(kernel, head_dim, seqlen=0, causal=False, masked=False):
     return config if DEVICE.type == "cuda" else dict(config, BLOCK_M=32, BLOCK_N=32, num_warps=4)
 
 
-@functools.lru_cache(maxsize=None)
-def _pdl(device):
-    """Programmatic dependent launch: on the GPU that runs the call, when it is a Hopper or later."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def _pow2(n, at_least):
     return max(at_least, 1 << (int(n) - 1).bit_length())
 
 
-def _dims(q, k, rot_dim, tensor_format):
+def _dims(q, k, rot_dim):
     """Sizes, and the rotated layout's: HALF (pairs, padded), PASS (pass-through tile), W (row width)."""
-    batch, seqlen = (q.shape[1], q.shape[0]) if tensor_format == "sbhd" else (q.shape[0], q.shape[1])
     half, n_pass = rot_dim // 2, q.shape[3] - rot_dim
     HALF = _pow2(half, 8)  # 2 * HALF >= 16: a dot's smallest K
-    return dict(batch=batch, seqlen=seqlen, n_heads=q.shape[2], n_kv_heads=k.shape[2], head_dim=q.shape[3],
+    return dict(batch=q.shape[0], seqlen=q.shape[1], n_heads=q.shape[2], n_kv_heads=k.shape[2], head_dim=q.shape[3],
                 half=half, n_pass=n_pass, HALF=HALF, PASS=_pow2(n_pass, 16), W=2 * HALF + n_pass,
                 D=_pow2(q.shape[3], 16))
 
 
-def _strides(tensor_format, *tensors):
-    """The tensors' strides in (b, s, h, d) order, one after the other; "rotated" is the [b, h, s, W]
-    layout of rq and rk."""
-    order = {"sbhd": (1, 0, 2, 3), "rotated": (0, 2, 1, 3)}.get(tensor_format, (0, 1, 2, 3))
+def _strides(*tensors, order=(0, 1, 2, 3)):
+    """The tensors' strides in (b, s, h, d) order; order=(0, 2, 1, 3) reads rq and rk's [b, h, s, W]."""
     return [x.stride(i) for x in tensors for i in order]
 
 
-def _wide(dims, tensor_format, *tensors):
-    """WIDE: could a position's offset within one head (user layouts, or the rotated one) reach INT32_LIMIT?"""
-    strides = _strides(tensor_format, *tensors)
+def _constexprs(dims, causal, interleaved, key_mask, *tensors):
+    """The compile-time arguments the attention kernels share. WIDE: could a position's offset within one head (in
+    the tensors' layouts, or the rotated one) reach INT32_LIMIT?"""
+    strides = _strides(*tensors)
     ends = [(dims["seqlen"] - 1) * abs(st_s) + (dims["head_dim"] - 1) * abs(st_d)
             for st_s, st_d in zip(strides[1::4], strides[3::4])]
-    return max(ends + [dims["seqlen"] * dims["W"]]) >= INT32_LIMIT
-
-
-def _constexprs(dims, causal, interleaved, key_mask, tensor_format, *tensors):
-    """The compile-time arguments the attention kernels share."""
     return dict(HALF=dims["HALF"], PASS=dims["PASS"], D=dims["D"], W=dims["W"], INTERLEAVED=interleaved,
                 HAS_PASS=dims["n_pass"] > 0, CAUSAL=causal, HAS_MASK=key_mask is not None,
-                EVEN_D=dims["D"] == dims["head_dim"], WIDE=_wide(dims, tensor_format, *tensors))
+                EVEN_D=dims["D"] == dims["head_dim"], WIDE=max(ends + [dims["seqlen"] * dims["W"]]) >= INT32_LIMIT)
 
 
-def _rope_pass(k, rk, freqs, trig, dims, interleaved, tensor_format, pdl):
-    """k -> rk (the rotated layout), and the cos/sin table."""
-    n_heads = rk.shape[1]
-    heads = min(_pow2(n_heads, 1), PASS_CONFIG["ROWS"])
-    rope_pass_kernel[(triton.cdiv(dims["seqlen"], PASS_CONFIG["ROWS"] // heads), dims["batch"],
-                      triton.cdiv(n_heads, heads))](
-        k, rk, freqs, trig, dims["seqlen"], n_heads, dims["half"], dims["n_pass"], *_strides(tensor_format, k),
-        *_strides("rotated", rk), freqs.stride(0), freqs.stride(-1), BLOCK_S=PASS_CONFIG["ROWS"] // heads, HEADS=heads,
-        HALF=dims["HALF"], PASS=dims["PASS"], INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0, PDL=pdl,
-        num_warps=PASS_CONFIG["num_warps"], launch_pdl=pdl)
-
-
-def _forward_outputs(q, k, freqs, tensor_format, save_rotated):
-    """Empty (o, lse, rq, rk, trig); rq is empty when no backward will run; trig is the float32
-    table [s, 4 * HALF] of cos_a, sin_a, cos_b, sin_b per position."""
-    dims = _dims(q, k, freqs.shape[3], tensor_format)
+def _forward_fake(qkv, freqs, key_mask, sm_scale, causal, interleaved, save_rotated):
+    """The forward op's outputs, empty: (o, lse, rq, rk, trig); rq is empty when no backward will run; trig is the
+    float32 table [s, 4 * HALF] of cos_a, sin_a, cos_b, sin_b per position."""
+    q, k, _ = qkv if len(qkv) == 3 else qkv[0].unbind(2)
+    dims = _dims(q, k, freqs.shape[3])
     b, s, h, h_kv, w = (dims[key] for key in ("batch", "seqlen", "n_heads", "n_kv_heads", "W"))
     rq = q.new_empty(b, h, s, w) if save_rotated else q.new_empty(0)
     return (q.new_empty(q.shape), q.new_empty(b, h, s, dtype=torch.float32), rq, q.new_empty(b, h_kv, s, w),
             q.new_empty(s, 4 * dims["HALF"], dtype=torch.float32))
 
 
-def _forward(q, k, v, freqs, key_mask, sm_scale, causal, interleaved, tensor_format, save_rotated):
-    dims, pdl = _dims(q, k, freqs.shape[3], tensor_format), _pdl(q.device)
-    s, h = dims["seqlen"], dims["n_heads"]
-    o, lse, rq, rk, trig = _forward_outputs(q, k, freqs, tensor_format, save_rotated)
-    _rope_pass(k, rk, freqs, trig, dims, interleaved, tensor_format, pdl)
+def _forward(qkv: List[Tensor], freqs: Tensor, key_mask: Optional[Tensor], sm_scale: float, causal: bool,
+             interleaved: bool, save_rotated: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The forward op: qkv is [q, k, v], or [qkv] packed as [b, s, 3, h, d]."""
+    q, k, v = qkv if len(qkv) == 3 else qkv[0].unbind(2)
+    dims = _dims(q, k, freqs.shape[3])
+    s, h, h_kv = dims["seqlen"], dims["n_heads"], dims["n_kv_heads"]
+    o, lse, rq, rk, trig = _forward_fake(qkv, freqs, key_mask, sm_scale, causal, interleaved, save_rotated)
+    heads = min(_pow2(h_kv, 1), PASS_CONFIG["ROWS"])  # the pass: k -> rk, and the cos/sin table
+    rope_pass_kernel[(triton.cdiv(s, PASS_CONFIG["ROWS"] // heads), dims["batch"], triton.cdiv(h_kv, heads))](
+        k, rk, freqs, trig, s, h_kv, dims["half"], dims["n_pass"], *_strides(k), *_strides(rk, order=(0, 2, 1, 3)),
+        freqs.stride(0), freqs.stride(-1), BLOCK_S=PASS_CONFIG["ROWS"] // heads, HEADS=heads, HALF=dims["HALF"],
+        PASS=dims["PASS"], INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0, num_warps=PASS_CONFIG["num_warps"])
     cfg = _config("fwd", dims["head_dim"], s, causal)
     rope_attn_fwd_kernel[(triton.cdiv(s, cfg["BLOCK_M"]), dims["batch"] * h)](
-        q, rk, v, o, lse, rq, trig, key_mask if key_mask is not None else lse, sm_scale * LOG2E, s, h,
-        h // dims["n_kv_heads"], dims["half"], dims["n_pass"], *_strides(tensor_format, q, v, o),
-        EVEN_N=s % cfg["BLOCK_N"] == 0, SAVE_RQ=save_rotated, PDL=pdl, launch_pdl=pdl, **cfg,
-        **_constexprs(dims, causal, interleaved, key_mask, tensor_format, q, v, o))
+        q, rk, v, o, lse, rq, trig, key_mask if key_mask is not None else lse, sm_scale * LOG2E, s, h, h // h_kv,
+        dims["half"], dims["n_pass"], *_strides(q, v, o), EVEN_N=s % cfg["BLOCK_N"] == 0, SAVE_RQ=save_rotated,
+        **cfg, **_constexprs(dims, causal, interleaved, key_mask, q, v, o))
     return o, lse, rq, rk, trig
 
 
-def _backward(do, rq, rk, v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, tensor_format, dq, dk, dv):
-    """Write the gradients into dq, dk and dv (any strides: views of one tensor work)."""
-    dims, pdl = _dims(dq, dk, rot_dim, tensor_format), _pdl(do.device)
+def _backward_fake(do, rq, rk, qkv_or_v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, packed):
+    """The backward op's outputs, empty: [dqkv] for packed qkv, else [dq, dk, dv] (dq's shape from rq [b, h, s, W])."""
+    if packed:
+        return [qkv_or_v.new_empty(qkv_or_v.shape)]
+    v, (b, h, s) = qkv_or_v, rq.shape[:3]
+    return [v.new_empty(b, s, h, v.shape[3]), v.new_empty(v.shape), v.new_empty(v.shape)]
+
+
+def _backward(do: Tensor, rq: Tensor, rk: Tensor, qkv_or_v: Tensor, o: Tensor, lse: Tensor, trig: Tensor,
+              key_mask: Optional[Tensor], rot_dim: int, sm_scale: float, causal: bool, interleaved: bool,
+              packed: bool) -> List[Tensor]:
+    """The backward op: v, or packed qkv whole; the kernels write dq, dk and dv with any strides (for packed qkv,
+    into the three slices of one gradient)."""
+    grads = _backward_fake(do, rq, rk, qkv_or_v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, packed)
+    v = qkv_or_v.unbind(2)[2] if packed else qkv_or_v
+    dq, dk, dv = grads[0].unbind(2) if packed else grads
+    dims = _dims(dq, dk, rot_dim)
     b, s, h = dims["batch"], dims["seqlen"], dims["n_heads"]
-    common = _constexprs(dims, causal, interleaved, key_mask, tensor_format, v, do, dq, dk, dv)
+    common = _constexprs(dims, causal, interleaved, key_mask, v, do, dq, dk, dv)
     scalars = (sm_scale * LOG2E, s, h, h // dims["n_kv_heads"], dims["half"], dims["n_pass"])
     masked, key_mask = key_mask is not None, key_mask if key_mask is not None else lse  # (unused without HAS_MASK)
     delta = torch.empty_like(lse)  # written by the dq kernel, read by the dkdv kernel
     cfg = _config("dq", dims["head_dim"], masked=masked)
     rope_attn_bwd_dq_kernel[(triton.cdiv(s, cfg["BLOCK_M"]), b * h)](
-        rq, rk, v, do, o, dq, lse, delta, trig, key_mask, *scalars, *_strides(tensor_format, v, do, o, dq),
-        EVEN_N=s % cfg["BLOCK_N"] == 0, PDL=pdl, launch_pdl=pdl, **common, **cfg)
+        rq, rk, v, do, o, dq, lse, delta, trig, key_mask, *scalars, *_strides(v, do, o, dq),
+        EVEN_N=s % cfg["BLOCK_N"] == 0, **common, **cfg)
     cfg = _config("dkdv", dims["head_dim"])
     rope_attn_bwd_dkdv_kernel[(triton.cdiv(s, cfg["BLOCK_N"]), b * dims["n_kv_heads"])](
-        rq, rk, v, do, dk, dv, lse, delta, trig, key_mask, *scalars, *_strides(tensor_format, v, do, dk, dv),
-        EVEN_M=s % cfg["BLOCK_M"] == 0, EVEN_N=s % cfg["BLOCK_N"] == 0, PDL=pdl, launch_pdl=pdl, **common, **cfg)
+        rq, rk, v, do, dk, dv, lse, delta, trig, key_mask, *scalars, *_strides(v, do, dk, dv),
+        EVEN_M=s % cfg["BLOCK_M"] == 0, EVEN_N=s % cfg["BLOCK_N"] == 0, **common, **cfg)
+    return grads
+
 
 # %%
 # The operators
 # -------------
-# torch.compile cannot trace into a Triton launch it does not know. Registered as a
-# torch.library.custom_op, the launch is one opaque node of the graph: register_fake gives the
-# compiler the outputs' shapes without running anything, register_autograd the backward (another
-# custom op). Inductor compiles the code around them and calls our kernels as they are. Outside
-# the ops everything is traced, so the argument checks read shapes, dtypes and devices, never
-# values (a value would need a host sync, which breaks the graph).
-# The forward op takes [q, k, v], or [qkv] packed as [.., 3, h, d], as one QKV projection makes
-# them; for the packed form the backward op returns one gradient of qkv's shape, into whose three
-# slices the kernels write (three gradients would be stacked by autograd: a copy of them all).
-
-Tensor = torch.Tensor
-
-
-def _unpack(qkv):
-    return qkv if len(qkv) == 3 else qkv[0].unbind(2)
-
-
-def _forward_impl(qkv: List[Tensor], freqs: Tensor, key_mask: Optional[Tensor], sm_scale: float, causal: bool,
-                  interleaved: bool, tensor_format: str, save_rotated: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _forward(*_unpack(qkv), freqs, key_mask, sm_scale, causal, interleaved, tensor_format, save_rotated)
-
-
-def _forward_fake(qkv, freqs, key_mask, sm_scale, causal, interleaved, tensor_format, save_rotated):
-    q, k, _ = _unpack(qkv)
-    return _forward_outputs(q, k, freqs, tensor_format, save_rotated)
-
-
-def _gradients(qkv_or_v, rq, tensor_format, packed):
-    """Empty gradients: [dqkv] for packed qkv, else [dq, dk, dv] (dq's shape from rq [b, h, s, W])."""
-    if packed:
-        return [qkv_or_v.new_empty(qkv_or_v.shape)]
-    v, (b, h, s) = qkv_or_v, rq.shape[:3]
-    dq = v.new_empty((s, b, h, v.shape[3]) if tensor_format == "sbhd" else (b, s, h, v.shape[3]))
-    return [dq, v.new_empty(v.shape), v.new_empty(v.shape)]
-
-
-def _backward_impl(do: Tensor, rq: Tensor, rk: Tensor, qkv_or_v: Tensor, o: Tensor, lse: Tensor, trig: Tensor,
-                   key_mask: Optional[Tensor], rot_dim: int, sm_scale: float, causal: bool, interleaved: bool,
-                   tensor_format: str, packed: bool) -> List[Tensor]:
-    grads = _gradients(qkv_or_v, rq, tensor_format, packed)
-    v = qkv_or_v.unbind(2)[2] if packed else qkv_or_v
-    _backward(do, rq, rk, v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, tensor_format,
-              *(grads[0].unbind(2) if packed else grads))
-    return grads
-
-
-def _backward_fake(do, rq, rk, qkv_or_v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved,
-                   tensor_format, packed):
-    return _gradients(qkv_or_v, rq, tensor_format, packed)
+# torch.compile cannot trace into a Triton launch it does not know. Registered as a torch.library.custom_op, the
+# launch is one opaque node of the graph: register_fake gives the compiler the outputs' shapes without running
+# anything, register_autograd the backward (another custom op). Inductor compiles the code around them and calls our
+# kernels as they are. Outside the ops everything is traced, so the argument checks read shapes, dtypes and devices,
+# never values (a value would need a host sync, which breaks the graph). For packed qkv the backward op returns one
+# gradient of qkv's shape, into whose three slices the kernels write (autograd would stack three: a copy of them all).
 
 
 def _custom_op(name, fn, fake):
@@ -680,25 +588,23 @@ def _custom_op(name, fn, fake):
     return op
 
 
-forward_op = _custom_op("forward", _forward_impl, _forward_fake)
-backward_op = _custom_op("backward", _backward_impl, _backward_fake)
+forward_op = _custom_op("forward", _forward, _forward_fake)
+backward_op = _custom_op("backward", _backward, _backward_fake)
 
 
 def _save_for_backward(ctx, inputs, output):
-    qkv, freqs, key_mask, sm_scale, causal, interleaved, tensor_format, _ = inputs
+    qkv, freqs, key_mask, sm_scale, causal, interleaved, _ = inputs
     o, lse, rq, rk, trig = output
     ctx.mark_non_differentiable(lse, rq, rk, trig)  # only o carries a gradient, and autograd would
     ctx.set_materialize_grads(False)  # otherwise fill zero gradients as large as rq and rk for the others
     # v, or for packed qkv the whole of it (v is a view of it); q and k are not needed, rq and rk are
     ctx.save_for_backward(rq, rk, qkv[2] if len(qkv) == 3 else qkv[0], o, lse, trig, key_mask)
-    ctx.args = freqs.shape[3], sm_scale, causal, interleaved, tensor_format, len(qkv) == 1
+    ctx.args = freqs.shape[3], sm_scale, causal, interleaved, len(qkv) == 1
 
 
-def _backward_of_forward_op(ctx, do, _lse, _rq, _rk, _trig):
-    return backward_op(do, *ctx.saved_tensors, *ctx.args), None, None, None, None, None, None, None
-
-
-forward_op.register_autograd(_backward_of_forward_op, setup_context=_save_for_backward)
+forward_op.register_autograd(  # o's gradient (the other outputs carry none) to qkv; nothing to the other inputs
+    lambda ctx, do, *_: (backward_op(do, *ctx.saved_tensors, *ctx.args),) + (None,) * 6,
+    setup_context=_save_for_backward)
 
 
 # %%
@@ -706,9 +612,7 @@ forward_op.register_autograd(_backward_of_forward_op, setup_context=_save_for_ba
 # ----------------------------------------
 
 
-def _check(q, k, v, freqs, attention_mask, sm_scale, tensor_format):
-    if tensor_format not in ("bshd", "sbhd"):
-        raise ValueError(f"tensor_format must be 'bshd' or 'sbhd', got {tensor_format!r}")
+def _check(q, k, v, freqs, attention_mask, sm_scale):
     for name, x in dict(q=q, k=k, v=v, freqs=freqs, attention_mask=attention_mask).items():
         if not isinstance(x, torch.Tensor) and not (name == "attention_mask" and x is None):
             raise TypeError(f"{name} must be a torch.Tensor{' or None' if name == 'attention_mask' else ''}, "
@@ -717,20 +621,18 @@ def _check(q, k, v, freqs, attention_mask, sm_scale, tensor_format):
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
-    for name, x in dict(k=k, v=v).items():
+    for name, x in dict(q=q, k=k, v=v).items():
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
-    for name, x in dict(q=q, k=k, v=v).items():
         if x.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [{', '.join(tensor_format)}], got shape {tuple(x.shape)}")
+            raise ValueError(f"{name} must be 4-D [b, s, h, d], got shape {tuple(x.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"k must match q in every dim but heads (self-attention): got {tuple(k.shape)}, "
-                         f"q is {tuple(q.shape)}")
+        raise ValueError(f"k must match q but in heads (self-attention): got {tuple(k.shape)}, q {tuple(q.shape)}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"q's {q.shape[2]} heads must be a multiple of k's {k.shape[2]} (grouped-query attention)")
-    (seqlen, batch), head_dim = q.shape[:2] if tensor_format == "sbhd" else q.shape[1::-1], q.shape[3]
+    (batch, seqlen), head_dim = q.shape[:2], q.shape[3]
     if not 16 <= head_dim <= 128:
         raise ValueError(f"head dim must be between 16 and 128, got {head_dim}")
     if freqs.dtype != torch.float32 or freqs.dim() != 4 or freqs.shape[1:3] != (1, 1):
@@ -751,55 +653,50 @@ def _check(q, k, v, freqs, attention_mask, sm_scale, tensor_format):
         raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale}")
 
 
-def _attention(qkv, q, k, v, freqs, causal, attention_mask, sm_scale, interleaved, tensor_format):
-    _check(q, k, v, freqs, attention_mask, sm_scale, tensor_format)
+def _attention(qkv, q, k, v, freqs, causal, attention_mask, sm_scale, interleaved):
+    _check(q, k, v, freqs, attention_mask, sm_scale)
     key_mask = attention_mask.to(torch.int8).contiguous() if attention_mask is not None else None
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     save_rotated = torch.is_grad_enabled() and any(x.requires_grad for x in qkv)  # else rq is not written
-    return forward_op(qkv, freqs, key_mask, sm_scale, causal, interleaved, tensor_format, save_rotated)[0]
+    return forward_op(qkv, freqs, key_mask, sm_scale, causal, interleaved, save_rotated)[0]
 
 
-def rope_attention(q, k, v, freqs, *, causal=False, attention_mask=None, sm_scale=None, interleaved=False,
-                   tensor_format="bshd"):
-    """Attention with RoPE applied to q and k by the kernels; differentiable in q, k and v, and
-    traceable whole by torch.compile(fullgraph=True).
+def rope_attention(q, k, v, freqs, *, causal=False, attention_mask=None, sm_scale=None, interleaved=False):
+    """Attention with RoPE applied to q and k by the kernels; differentiable in q, k and v, and traceable whole by
+    torch.compile(fullgraph=True).
 
-    q: [b, s, h, d] (bshd) | [s, b, h, d] (sbhd), float16 or bfloat16, any strides, 16 <= d <= 128.
-    k, v: the same layout and length, h_kv heads with h % h_kv == 0 (grouped-query attention).
-    freqs: float32 angles [s2, 1, 1, d2], s2 >= s, d2 even and <= d (02's semantics: only the
-        first d2 channels are rotated; any angles). No gradient flows to freqs.
+    q: [b, s, h, d], float16 or bfloat16, any strides, 16 <= d <= 128.
+    k, v: [b, s, h_kv, d], q's dtype, h % h_kv == 0 (grouped-query attention).
+    freqs: float32 angles [s2, 1, 1, d2], s2 >= s, d2 even and <= d (02's semantics: only the first d2 channels
+        are rotated; any angles). No gradient flows to freqs.
     causal: each query sees keys at its position and before.
-    attention_mask: bool or integer [b, s], 1 (nonzero) = a real token, 0 = padding (Hugging Face's
-        convention); padded keys are never attended to. A query that sees no key returns zeros.
+    attention_mask: bool or integer [b, s], 1 (nonzero) = a real token, 0 = padding (Hugging Face's convention);
+        padded keys are never attended to. A query that sees no key returns zeros.
     sm_scale: softmax scale, positive, 1/sqrt(d) by default. interleaved: rotate pairs (RoFormer, GPT-J).
-    Returns the output [like q], in q's layout and dtype. The gradients are deterministic: every sum
-    runs in a fixed order, so a call gives the same bits every time.
+    Returns the output [b, s, h, d] in q's dtype. The gradients are deterministic: every sum runs in a fixed
+    order, so a call gives the same bits every time.
     """
-    return _attention([q, k, v], q, k, v, freqs, causal, attention_mask, sm_scale, interleaved, tensor_format)
+    return _attention([q, k, v], q, k, v, freqs, causal, attention_mask, sm_scale, interleaved)
 
 
-def rope_attention_qkvpacked(qkv, freqs, *, causal=False, attention_mask=None, sm_scale=None, interleaved=False,
-                             tensor_format="bshd"):
-    """rope_attention with q, k and v packed in one tensor, as one QKV projection makes them
-    (FlashAttention's flash_attn_qkvpacked_func): qkv is [b, s, 3, h, d] (bshd) or [s, b, 3, h, d]
-    (sbhd), and q, k, v = qkv.unbind(2). The same output and gradients as rope_attention(*qkv.unbind(2),
-    freqs, ...), but qkv's gradient is written as one tensor, not stacked from three (a copy saved).
-    """
+def rope_attention_qkvpacked(qkv, freqs, *, causal=False, attention_mask=None, sm_scale=None, interleaved=False):
+    """rope_attention with q, k and v packed as one QKV projection makes them (FlashAttention's qkvpacked): qkv is
+    [b, s, 3, h, d], and q, k, v = qkv.unbind(2). The same output and gradients as rope_attention(*qkv.unbind(2),
+    freqs, ...), but qkv's gradient is written as one tensor, not stacked from three (a copy saved)."""
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
     if qkv.dim() != 5 or qkv.shape[2] != 3:
-        raise ValueError(f"qkv must be [b, s, 3, h, d] (bshd) or [s, b, 3, h, d] (sbhd), got shape {tuple(qkv.shape)}")
+        raise ValueError(f"qkv must be [b, s, 3, h, d], got shape {tuple(qkv.shape)}")
     if qkv.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"qkv must be float16 or bfloat16, got {qkv.dtype}")
-    return _attention([qkv], *qkv.unbind(2), freqs, causal, attention_mask, sm_scale, interleaved, tensor_format)
+    return _attention([qkv], *qkv.unbind(2), freqs, causal, attention_mask, sm_scale, interleaved)
 
 
 # %%
 # Unit test
 # ---------
-# Odd lengths, GQA, partial rotary with arbitrary angles, a padding mask with a fully padded
-# sequence: output and gradients against the float32 reference, eager and under
-# torch.compile(fullgraph=True). tests/test_04_rope_attention.py covers the whole matrix.
+# Odd lengths, GQA, partial rotary with arbitrary angles, a padding mask with a fully padded sequence: output and
+# gradients against the float32 reference, eager and compiled. tests/test_04_rope_attention.py covers the whole matrix.
 
 
 def self_check():
@@ -810,69 +707,52 @@ def self_check():
     mask = torch.ones(b, s, dtype=torch.bool, device=DEVICE)
     mask[0, s // 2:] = False  # padding at the end of one sequence ...
     mask[-1] = False  # ... and a sequence with no real token: its rows return 0
-
-    def assert_matches_reference(out, reference, inputs):
-        ref, dout = reference(), torch.randn_like(out)
-        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-        for g, r in zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, inputs, dout.float())):
-            torch.testing.assert_close(g.float(), r.float(), atol=2e-2, rtol=2e-2)
-
     compiled = torch.compile(rope_attention, fullgraph=True, backend="inductor" if DEVICE.type == "cuda" else "aot_eager")
     for causal, interleaved in ((False, False), (False, True), (True, False), (True, True)):
         q = torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True)
         k, v = (torch.randn(b, s, h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
         kwargs = dict(causal=causal, attention_mask=mask, interleaved=interleaved)
         for fn in (rope_attention, compiled):
-            reference = lambda: attention_reference(q, k, v, freqs, **kwargs)  # noqa: E731
-            assert_matches_reference(fn(q, k, v, freqs, **kwargs), reference, (q, k, v))
-    qkv = torch.randn(b, s, 3, h, d, device=DEVICE, dtype=dtype, requires_grad=True)
-    assert_matches_reference(rope_attention_qkvpacked(qkv, freqs, attention_mask=mask),
-                             lambda: attention_reference(*qkv.unbind(2), freqs, attention_mask=mask), (qkv,))
+            out, ref = fn(q, k, v, freqs, **kwargs), attention_reference(q, k, v, freqs, **kwargs)
+            torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+            do = torch.randn_like(out)
+            for g, r in zip(torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do.float())):
+                torch.testing.assert_close(g.float(), r.float(), atol=2e-2, rtol=2e-2)
     print(f"self-check passed: output and dq/dk/dv, eager and torch.compile(fullgraph=True), causal and not, both "
-          f"pairings, padding mask with a fully padded sequence, GQA {h}/{h_kv}, s={s}, d={d}, d2={d - 16}, {dtype}; "
-          f"q, k, v packed (device: {DEVICE.type})")
+          f"pairings, a fully padded sequence, GQA {h}/{h_kv}, s={s}, d={d}, d2={d - 16}, {dtype} ({DEVICE.type})")
 
 
 # %%
 # Benchmark
 # ---------
-# bf16, against the unfused paths: 03's RoPE (apply_rotary_pos_emb_qk) on q and k, then
-# scaled_dot_product_attention (cuDNN, flash) or FlexAttention compiled for each shape; and a
-# plain PyTorch RoPE followed by FlexAttention, compiled as one graph. Ours runs eager and under
-# torch.compile(fullgraph=True). TF/s count 4*b*h*s^2*d FLOPs (halved when causal; x3.5 for
-# forward + backward). GPU time from a CUDA graph when the call can be captured, else from
-# do_bench; the table says which. The yardstick, timed the same way in the same run, is a bf16
-# 8192^3 matmul: attention is matmuls, so that is its ceiling on this GPU.
 BENCH_SHAPES = [  # (b, h, s, d, causal, padding mask)
     (16, 12, 512, 64, False, False), (16, 12, 512, 64, False, True), (8, 16, 2048, 64, False, False),
     (4, 32, 4096, 128, False, False), (4, 32, 4096, 128, True, False), (2, 16, 8192, 64, True, False)]
-CPU_SHAPES = [(1, 2, 64, 32, True, True)]
-TABLE_HEADER = ("| (b, h, s, d) | causal | padding mask | provider | fwd TF/s | fwd+bwd TF/s | of the matmul, fwd / "
-                "fwd+bwd | peak extra memory, fwd+bwd | timing |\n|---|---|---|---|---|---|---|---|---|")
+TIMED = ("bf16; ours, and the unfused paths: 03's RoPE (apply_rotary_pos_emb_qk) on q and k, then SDPA (cuDNN, flash) "
+         "or FlexAttention compiled per shape. Timing 'graph': GPU time, the calls replayed from a CUDA graph "
+         "(triton.testing.do_bench_cudagraph); 'eager call': calls as a user makes them, host cost included "
+         "(triton.testing.do_bench); medians. TF/s count 4*b*h*s^2*d FLOPs, halved when causal, x3.5 for forward + "
+         "backward; attention is matmuls, so its yardstick is a bf16 8192^3 matmul, timed as 'graph' in the same run.")
+TABLE_HEADER = ("| (b, h, s, d) | causal | padding mask | provider | timing | fwd TF/s | fwd+bwd TF/s | of the matmul, "
+                "fwd / fwd+bwd |\n" + "|---" * 8 + "|")
 
 
-def _time_ms(fn):
-    """(ms, how): the median of three do_bench_cudagraph medians (each 10 replays of a graph of ~40 ms
-    of calls), or do_bench's median where fn cannot be captured; wall time on the CPU."""
-    if DEVICE.type != "cuda":
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3, "wall"
-    try:
-        with torch.cuda.stream(torch.cuda.Stream()):
-            return statistics.median(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
-                                     for _ in range(3)), "graph"
-    except Exception:  # noqa: BLE001  (not capturable, e.g. a first call that syncs)
-        torch.cuda.synchronize()
-        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median"), "stream"
+def _time_ms(fn, how="graph"):
+    """Median ms: GPU time ('graph') or an eager call ('eager call'); on the CPU, one call's wall time."""
+    if DEVICE.type == "cuda":
+        bench = triton.testing.do_bench if how == "eager call" else triton.testing.do_bench_cudagraph
+        return bench(fn, return_mode="median")
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
 
 
-def _providers(freqs, causal, mask, rope03, b, s, dtype):
-    """name -> (q, k, v) -> output in bshd. dynamic=False: kernels specialized to each shape, as a model
-    of fixed shapes gets; the reset keeps earlier shapes from counting towards the recompile limit."""
+def _providers(freqs, causal, mask, rope03, b, s):
+    """[(name, fn(q, k, v) -> output [b, s, h, d], timing)]; compiled for this shape alone (dynamic=False)."""
     torch._dynamo.reset()
-    fused = lambda q, k, v: rope_attention(q, k, v, freqs, causal=causal, attention_mask=mask)  # noqa: E731
-    fns = {"fused (ours)": fused, "fused (ours), compiled": torch.compile(fused, fullgraph=True, dynamic=False)}
+    ours = lambda q, k, v: rope_attention(q, k, v, freqs, causal=causal, attention_mask=mask)  # noqa: E731
+    fns = [("fused (ours)", ours, "graph"), ("fused (ours)", ours, "eager call"),
+           ("fused (ours), compiled", torch.compile(ours, fullgraph=True, dynamic=False), "graph")]
     if rope03 is None:
         return fns
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -887,109 +767,72 @@ def _providers(freqs, causal, mask, rope03, b, s, dtype):
                 return torch.nn.functional.scaled_dot_product_attention(
                     *rope_then(q, k), v.transpose(1, 2), is_causal=causal and mask is None,
                     attn_mask=mask[:, None, None, :] if mask is not None else None).transpose(1, 2)
-        fns["03 RoPE + SDPA " + name] = run
+        fns.append(("03 RoPE + SDPA " + name, run, "graph"))
 
     def mask_mod(b_, h_, q_idx, kv_idx):
         ok = (q_idx >= kv_idx) if causal else (q_idx >= 0)
         return ok & mask[b_, kv_idx] if mask is not None else ok
     block_mask = create_block_mask(mask_mod, b if mask is not None else None, None, s, s, device=DEVICE)
     flex = torch.compile(flex_attention, dynamic=False)
-    fns["03 RoPE + FlexAttention"] = lambda q, k, v: flex(*rope_then(q, k), v.transpose(1, 2),
-                                                           block_mask=block_mask).transpose(1, 2)
-    angles = freqs[:s, 0, 0][None, :, None, :]
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-
-    def torch_rope(x):  # Hugging Face's rotate_half form, in the tensors' dtype
-        x1, x2 = x.chunk(2, dim=-1)
-        return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).transpose(1, 2)
-    fns["compiled (torch RoPE + FlexAttention)"] = torch.compile(
-        lambda q, k, v: flex_attention(torch_rope(q), torch_rope(k), v.transpose(1, 2),
-                                       block_mask=block_mask).transpose(1, 2), fullgraph=True, dynamic=False)
-    return fns
+    return fns + [("03 RoPE + FlexAttention", lambda q, k, v: flex(*rope_then(q, k), v.transpose(1, 2),
+                                                                   block_mask=block_mask).transpose(1, 2), "graph")]
 
 
 def benchmark(rope03, yardstick):
-    """Forward and forward + backward of every provider at every shape: the table's rows, printed as
-    they come. rope03: 03's module (None: ours alone); yardstick: the matmul's TF/s (None on the CPU)."""
-    dtype, rows = (torch.bfloat16 if DEVICE.type == "cuda" else torch.float16), []
-    for b, h, s, d, causal, padded in BENCH_SHAPES if DEVICE.type == "cuda" else CPU_SHAPES:
-        q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
-        freqs, mask, dout = rope_freqs(s, d, device=DEVICE), None, torch.randn(b, s, h, d, device=DEVICE, dtype=dtype)
+    """The table's rows (printed as they come); rope03 None: ours alone; yardstick None: on the CPU."""
+    rows, cuda = [], DEVICE.type == "cuda"
+    for b, h, s, d, causal, padded in BENCH_SHAPES if cuda else [(1, 2, 64, 32, True, True)]:
+        q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=torch.bfloat16 if cuda else torch.float16,
+                               requires_grad=True) for _ in range(3))
+        freqs, mask, dout = rope_freqs(s, d, device=DEVICE), None, torch.randn_like(q)
         if padded:  # Hugging Face style: each sequence is padded after a random length
             mask = torch.arange(s, device=DEVICE)[None, :] < torch.randint(s // 2, s + 1, (b, 1), device=DEVICE)
         flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
-        for name, fn in _providers(freqs, causal, mask, rope03, b, s, dtype).items():
+        for name, fn, how in _providers(freqs, causal, mask, rope03, b, s):
             both = lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout)  # noqa: E731
             try:
                 both()  # compiles, where it does
-            except Exception as e:  # noqa: BLE001  (a backend that does not take this shape)
-                print(f"| {(b, h, s, d)} | {causal} | {padded} | {name} | n/a ({type(e).__name__}) |")
-                continue
-            (fwd_ms, fwd_how), (both_ms, both_how) = _time_ms(lambda: fn(q, k, v)), _time_ms(both)
-            peak_mb = float("nan")
-            if DEVICE.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                both()
-                peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
-            tflops = (flops / fwd_ms / 1e9, 3.5 * flops / both_ms / 1e9)
-            rows.append(dict(case=((b, h, s, d), causal, padded), provider=name, tflops=tflops, text=(
-                f"| {(b, h, s, d)} | {causal} | {padded} | {name} | {tflops[0]:.0f} ({fwd_ms * 1e3:.0f} us) | "
-                f"{tflops[1]:.0f} ({both_ms * 1e3:.0f} us) | "
-                + (f"{tflops[0] / yardstick:.0%} / {tflops[1] / yardstick:.0%}" if yardstick else "n/a")
-                + f" | {peak_mb:.0f} MiB | {fwd_how if fwd_how == both_how else fwd_how + '/' + both_how} |")))
-            print(rows[-1]["text"], flush=True)
+                fwd_ms, both_ms = _time_ms(lambda: fn(q, k, v), how), _time_ms(both, how)
+                fwd, fwd_bwd = flops / fwd_ms / 1e9, 3.5 * flops / both_ms / 1e9
+                cells = (f"{fwd:.0f} ({fwd_ms * 1e3:.0f} us) | {fwd_bwd:.0f} ({both_ms * 1e3:.0f} us) | "
+                         + (f"{fwd / yardstick:.0%} / {fwd_bwd / yardstick:.0%}" if yardstick else "n/a"))
+            except Exception as e:  # noqa: BLE001  (a backend that does not take this case: flash with a mask)
+                cells = f"n/a ({type(e).__name__}) | |"
+            rows.append(f"| {(b, h, s, d)} | {causal} | {padded} | {name} | {how if cuda else 'wall'} | {cells} |")
+            print(rows[-1], flush=True)
     return rows
 
 
-def save_results(rows, header, stem):
-    """stem.md (the run's header and the table) and stem.png (the plot, if matplotlib is installed)."""
-    with open(stem + ".md", "w") as f:
-        f.write(f"# RoPE + attention: fused against RoPE then attention\n\n{header}\n\n"
-                + "\n".join([TABLE_HEADER] + [r["text"] for r in rows]) + "\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
-        return
-    cases, providers = (list(dict.fromkeys(r[key] for r in rows)) for key in ("case", "provider"))
-    fig, axes = plt.subplots(1, 2, figsize=(15, 4.8))
-    width = 0.8 / len(providers)
-    for i, (ax, title) in enumerate(zip(axes, ("forward", "forward + backward"))):
-        for n, provider in enumerate(providers):
-            vals = {r["case"]: r["tflops"][i] for r in rows if r["provider"] == provider}
-            ax.bar([x + n * width for x in range(len(cases))], [vals.get(c, 0) for c in cases], width, label=provider)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cases))])
-        ax.set_xticklabels([f"{s}\n{'causal' if c else ''}{' mask' if p else ''}" for s, c, p in cases], fontsize=7)
-        ax.set(ylabel="TF/s", title=f"RoPE + attention, {title} (bf16)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(stem + ".png", dpi=120)
+def write_page(rows, env, yardstick, results_dir):
+    """results_dir/04_rope_attention_<GPU>.md; its raw log is this run's stdout, teed beside it."""
+    kind = next((w for w in torch.cuda.get_device_name().split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
+    os.makedirs(results_dir, exist_ok=True)
+    with open(os.path.join(results_dir, f"04_rope_attention_{kind}.md"), "w") as f:
+        f.write(f"# RoPE + attention on the {kind}: fused against RoPE then attention\n\n{env}\n\n"
+                f"Command: `python {' '.join(sys.argv)}`\n\n{TIMED} The matmul ran at {yardstick:.0f} TF/s.\n\n"
+                + "\n".join([TABLE_HEADER] + rows) + f"\n\nRaw log: `04_rope_attention_{kind}.log`\n")
 
 
 if __name__ == "__main__":
+    here = os.path.dirname(os.path.abspath(__file__))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    parser.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                        help="folder for the table and plot (written only on a GPU)")
+    parser.add_argument("--results", default=os.path.join(here, "results"), help="folder for the page (GPU only)")
     args = parser.parse_args()
-    with open(__file__, "rb") as f:  # names the code measured (a copy's git history may be stale)
-        md5 = hashlib.md5(f.read()).hexdigest()
-    gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "none (Triton interpreter)"
-    header = (f"device: {gpu}; date: {datetime.date.today()}; torch {torch.__version__}; triton {triton.__version__}; "
-              f"04_rope_attention.py md5 {md5}; command: `python {' '.join(sys.argv)}`")
-    print(header)
+    with open(__file__, "rb") as f:  # the environment names the code measured: commit and md5
+        md5 = hashlib.md5(f.read()).hexdigest()[:8]
+    commit = subprocess.run("git rev-parse --short HEAD", shell=True, cwd=here, capture_output=True, text=True).stdout
+    env = (f"device: {torch.cuda.get_device_name() if DEVICE.type == 'cuda' else 'none (Triton interpreter)'}; date: "
+           f"{datetime.date.today()}; torch {torch.__version__}; triton {triton.__version__}; python "
+           f"{platform.python_version()}; commit {commit.strip() or 'n/a'}; 04_rope_attention.py md5 {md5}")
+    print(env)
     self_check()
     rope03, yardstick = None, None
     if DEVICE.type == "cuda":
         a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
-        yardstick = 2 * 8192**3 / _time_ms(lambda: a @ a)[0] / 1e9
-        header += f"\n\nyardstick: a bf16 8192^3 matmul runs at {yardstick:.0f} TF/s on this GPU, timed the same way"
-        print(header.split("\n")[-1])
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "03_rope_bwd.py")
-        if os.path.exists(path):  # 03's RoPE, the unfused paths' first step, loaded from beside this file
-            spec = importlib.util.spec_from_file_location("rope_bwd", path)
+        yardstick = 2 * 8192**3 / _time_ms(lambda: a @ a) / 1e9
+        print(f"yardstick: a bf16 8192^3 matmul runs at {yardstick:.0f} TF/s on this GPU (GPU time)")
+        if os.path.exists(os.path.join(here, "03_rope_bwd.py")):  # 03's RoPE, the unfused paths' first step
+            spec = importlib.util.spec_from_file_location("rope_bwd", os.path.join(here, "03_rope_bwd.py"))
             rope03 = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(rope03)
     else:
@@ -998,6 +841,4 @@ if __name__ == "__main__":
     print(TABLE_HEADER)
     rows = benchmark(rope03, yardstick)
     if DEVICE.type == "cuda":
-        kind = next((w for w in gpu.split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
-        os.makedirs(args.results, exist_ok=True)
-        save_results(rows, header, os.path.join(args.results, f"04_rope_attention_{kind}"))
+        write_page(rows, env, yardstick, args.results)

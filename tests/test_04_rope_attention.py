@@ -1,5 +1,5 @@
 """04_rope_attention.py: output and dq/dk/dv against the float32 reference over causal x padding
-mask x odd lengths x head dims x GQA x pairing x partial rotary x layout x dtype; the same loss and
+mask x odd lengths x head dims x GQA x pairing x partial rotary x strides x dtype; the same loss and
 gradients as 03's RoPE + SDPA; rows with no visible key; torch.compile (fullgraph and default
 mode) against eager, and torch.library.opcheck of the two operators; memory; errors.
 
@@ -18,15 +18,14 @@ LENGTHS = [1, 17, 100, 128, 257, 512, 1000] if ON_GPU else [1, 17, 64, 100]
 TOL = dict(atol=2e-2, rtol=2e-2)
 
 
-def make(b, s, h, h_kv, d, dtype=torch.float16, tensor_format="bshd", packed=False):
-    """q, k, v requiring grad; `packed` makes them slices of one [.., h + 2 h_kv, d] tensor."""
-    shape = (s, b) if tensor_format == "sbhd" else (b, s)
+def make(b, s, h, h_kv, d, dtype=torch.float16, packed=False):
+    """q, k, v [b, s, heads, d] requiring grad; `packed` makes them slices of one [b, s, h + 2 h_kv, d] tensor."""
     if packed:
-        qkv = torch.randn(*shape, h + 2 * h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True)
+        qkv = torch.randn(b, s, h + 2 * h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True)
         return qkv, qkv[:, :, :h], qkv[:, :, h:h + h_kv], qkv[:, :, h + h_kv:]
-    q = torch.randn(*shape, h, d, device=DEVICE, dtype=dtype, requires_grad=True)
-    k = torch.randn(*shape, h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True)
-    v = torch.randn(*shape, h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True)
+    q = torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, s, h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, s, h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True)
     return None, q, k, v
 
 
@@ -37,12 +36,9 @@ def padding_mask(b, s, fully_padded=True):
     return (torch.arange(s)[None, :] < lengths[:, None]).to(DEVICE)
 
 
-def lowp_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_scale=None, interleaved=False,
-                   tensor_format="bshd"):
+def lowp_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_scale=None, interleaved=False):
     """The same attention in torch, rounded to q's dtype where a kernel rounds: the rotated q and k,
     the probabilities, the output. Its error against the float32 reference is the yardstick for ours."""
-    if tensor_format == "sbhd":
-        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
     dtype, group = q.dtype, q.shape[2] // k.shape[2]
     q, k = attn.rope_reference(q, freqs, interleaved).to(dtype), attn.rope_reference(k, freqs, interleaved).to(dtype)
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
@@ -53,8 +49,7 @@ def lowp_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_scale=N
     if attention_mask is not None:
         visible = visible & attention_mask.bool()[:, None, None, :]
     p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0).to(dtype)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, v).float()
-    return out.transpose(0, 1) if tensor_format == "sbhd" else out
+    return torch.einsum("bhqk,bkhd->bqhd", p, v).float()
 
 
 def assert_close_to_reference(x, ref, lowp):
@@ -102,15 +97,14 @@ def test_head_dims_partial_rotary_and_pairings(d, d2, interleaved):
 
 
 @pytest.mark.parametrize("h, h_kv", [(4, 4), (4, 2), (6, 1)])
-@pytest.mark.parametrize("tensor_format", ["bshd", "sbhd"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gqa_layouts_strides_dtypes(h, h_kv, tensor_format, dtype):
+def test_gqa_strides_dtypes(h, h_kv, dtype):
     torch.manual_seed(h * 10 + h_kv)
     s = 257 if ON_GPU else 40
-    qkv, q, k, v = make(2, s, h, h_kv, 64, dtype, tensor_format, packed=True)  # strided views of one tensor
+    qkv, q, k, v = make(2, s, h, h_kv, 64, dtype, packed=True)  # strided views of one tensor
     mask = padding_mask(2, s, fully_padded=False)
     check(q, k, v, attn.rope_freqs(s, 64, interleaved=True, device=DEVICE), leaves=(qkv,), causal=False,
-          attention_mask=mask, interleaved=True, tensor_format=tensor_format, sm_scale=0.3)
+          attention_mask=mask, interleaved=True, sm_scale=0.3)
 
 
 @pytest.mark.parametrize("d, interleaved", all_pairs([32, 64, 128], [False, True]))
@@ -149,30 +143,26 @@ def test_int64_offsets(monkeypatch):
     (then int64). Lowering that limit runs the int64 path on a small case, in every kernel."""
     torch.manual_seed(7)
     s = 100 if ON_GPU else 33
-    qkv, q, k, v = make(2, s, 4, 2, 64, tensor_format="sbhd", packed=True)
+    qkv, q, k, v = make(2, s, 4, 2, 64, packed=True)
     freqs = attn.rope_freqs(s, 64, interleaved=True, device=DEVICE)
-    dims = attn._dims(q, k, 64, "sbhd")
-    assert not attn._wide(dims, "sbhd", q, k, v)
-    monkeypatch.setattr(attn, "INT32_LIMIT", (s - 1) * q.stride(0))  # q's last row now reaches the limit
-    assert attn._wide(dims, "sbhd", q, k, v)
-    check(q, k, v, freqs, leaves=(qkv,), causal=True, attention_mask=padding_mask(2, s), interleaved=True,
-          tensor_format="sbhd")
+    dims = attn._dims(q, k, 64)
+    assert not attn._constexprs(dims, True, True, None, q, k, v)["WIDE"]
+    monkeypatch.setattr(attn, "INT32_LIMIT", (s - 1) * q.stride(1))  # q's last row now reaches the limit
+    assert attn._constexprs(dims, True, True, None, q, k, v)["WIDE"]
+    check(q, k, v, freqs, leaves=(qkv,), causal=True, attention_mask=padding_mask(2, s), interleaved=True)
 
 
-@pytest.mark.parametrize("tensor_format, case", all_pairs(
-    ["bshd", "sbhd"], [(False, False, 64, 64, True), (True, True, 80, 64, False)]))
-def test_qkvpacked_same_as_three_tensors(tensor_format, case):
+@pytest.mark.parametrize("case", [(False, False, 64, 64, True), (True, True, 80, 64, False)])
+def test_qkvpacked_same_as_three_tensors(case):
     """rope_attention_qkvpacked(qkv) gives rope_attention(*qkv.unbind(2))'s output and gradients, bit
     for bit, with qkv's gradient made by the Function itself (no stacking of three gradients by autograd)."""
     causal, masked, d, d2, interleaved = case
     torch.manual_seed(d)
     b, s, h = 2, (257 if ON_GPU else 40), 4
-    shape = (s, b) if tensor_format == "sbhd" else (b, s)
-    qkv = torch.randn(*shape, 3, h, d, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    qkv = torch.randn(b, s, 3, h, d, device=DEVICE, dtype=torch.float16, requires_grad=True)
     freqs = torch.randn(s, 1, 1, d2, device=DEVICE)
-    kwargs = dict(causal=causal, attention_mask=padding_mask(b, s) if masked else None, interleaved=interleaved,
-                  tensor_format=tensor_format)
-    dout = torch.randn(*shape, h, d, device=DEVICE, dtype=torch.float16)
+    kwargs = dict(causal=causal, attention_mask=padding_mask(b, s) if masked else None, interleaved=interleaved)
+    dout = torch.randn(b, s, h, d, device=DEVICE, dtype=torch.float16)
     packed = attn.rope_attention_qkvpacked(qkv, freqs, **kwargs)
     assert packed.grad_fn.next_functions[0][0].variable is qkv  # straight to qkv, no UnbindBackward
     (dqkv,) = torch.autograd.grad(packed, qkv, dout)
@@ -256,7 +246,6 @@ def test_errors():
          r"attention_mask must have shape \[b, s\] = \[2, 8\]"),
         (lambda: attn.rope_attention(q, k, v, f, attention_mask=torch.ones(2, 8, device=DEVICE)), TypeError,
          "attention_mask must be bool or integer"),
-        (lambda: attn.rope_attention(q, k, v, f, tensor_format="thd"), ValueError, "tensor_format"),
         (lambda: attn.rope_attention(q, k, v, f.clone().requires_grad_()), ValueError, "freqs requires grad"),
         (lambda: attn.rope_attention(q[..., :8], k[..., :8], v[..., :8], f[..., :8]), ValueError,
          "head dim must be between 16 and 128"),
@@ -274,11 +263,11 @@ def test_errors():
             call()
 
 
-COMPILE_CASES = {  # name -> (h, h_kv, d, d2, causal, masked, interleaved, tensor_format, packed)
-    "plain": (2, 2, 32, 32, False, False, False, "bshd", False),
-    "causal, padding mask": (2, 2, 32, 32, True, True, False, "bshd", False),
-    "GQA, interleaved, partial rotary": (4, 2, 48, 32, True, False, True, "bshd", False),
-    "packed, sbhd, padding mask": (2, 2, 32, 32, False, True, True, "sbhd", True),
+COMPILE_CASES = {  # name -> (h, h_kv, d, d2, causal, masked, interleaved, packed)
+    "plain": (2, 2, 32, 32, False, False, False, False),
+    "causal, padding mask": (2, 2, 32, 32, True, True, False, False),
+    "GQA, interleaved, partial rotary": (4, 2, 48, 32, True, False, True, False),
+    "packed, padding mask": (2, 2, 32, 32, False, True, True, True),
 }
 
 
@@ -287,18 +276,16 @@ COMPILE_CASES = {  # name -> (h, h_kv, d, d2, causal, masked, interleaved, tenso
 def test_torch_compile_matches_eager(case, fullgraph):
     """torch.compile takes both functions whole (fullgraph=True would raise on a graph break), forward
     and backward, and gives eager's output and gradients."""
-    h, h_kv, d, d2, causal, masked, interleaved, tensor_format, packed = COMPILE_CASES[case]
+    h, h_kv, d, d2, causal, masked, interleaved, packed = COMPILE_CASES[case]
     torch.manual_seed(3)
     b, s = 2, (100 if ON_GPU else 24)
-    shape = (s, b) if tensor_format == "sbhd" else (b, s)
-    kwargs = dict(causal=causal, attention_mask=padding_mask(b, s) if masked else None, interleaved=interleaved,
-                  tensor_format=tensor_format)
+    kwargs = dict(causal=causal, attention_mask=padding_mask(b, s) if masked else None, interleaved=interleaved)
     freqs = torch.randn(s, 1, 1, d2, device=DEVICE)
     if packed:
-        inputs = (torch.randn(*shape, 3, h, d, device=DEVICE, dtype=torch.float16, requires_grad=True),)
+        inputs = (torch.randn(b, s, 3, h, d, device=DEVICE, dtype=torch.float16, requires_grad=True),)
         fn = attn.rope_attention_qkvpacked
     else:
-        inputs = tuple(torch.randn(*shape, heads, d, device=DEVICE, dtype=torch.float16, requires_grad=True)
+        inputs = tuple(torch.randn(b, s, heads, d, device=DEVICE, dtype=torch.float16, requires_grad=True)
                        for heads in (h, h_kv, h_kv))
         fn = attn.rope_attention
     torch._dynamo.reset()
@@ -326,13 +313,13 @@ def test_opcheck(packed):
     mask = padding_mask(b, s, fully_padded=False).to(torch.int8)
     qkv = ([torch.randn(b, s, 3, h, d, device=DEVICE, dtype=torch.float16, requires_grad=True)] if packed else
            [torch.randn(b, s, h, d, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3)])
-    args = (qkv, freqs, mask, 0.25, True, False, "bshd", True)
+    args = (qkv, freqs, mask, 0.25, True, False, True)
     torch.library.opcheck(attn.forward_op, args)
     o, lse, rq, rk, trig = (x.detach() for x in attn.forward_op(*args))  # the backward op has no backward
     assert rq.shape == (b, h, s, 32) and rk.shape == (b, h, s, 32) and trig.shape == (s, 4 * 16)
     saved = (qkv[0] if packed else qkv[2]).detach()
     torch.library.opcheck(attn.backward_op, (torch.randn_like(o), rq, rk, saved, o, lse, trig, mask, d, 0.25, True,
-                                             False, "bshd", packed))
+                                             False, packed))
 
 
 def test_rotated_layout_is_zero_padded():
@@ -345,7 +332,7 @@ def test_rotated_layout_is_zero_padded():
         with torch.no_grad():
             x[..., d2:] += 1.0  # pass-through channels away from 0
     freqs = torch.randn(s, 1, 1, d2, device=DEVICE)
-    _, _, rq, rk, _ = attn.forward_op([q, k, v], freqs, None, 0.125, False, True, "bshd", True)
+    _, _, rq, rk, _ = attn.forward_op([q, k, v], freqs, None, 0.125, False, True, True)
     assert rq.shape == rk.shape == (b, h, s, 84)
     for x, rx in ((q, rq), (k, rk)):
         expected = attn.rope_reference(x, freqs, interleaved=True).transpose(1, 2)
