@@ -520,7 +520,8 @@ def benchmark():
                                    rope_reference(k, f, compute_dtype=None, **kw))  # TE's unfused formula
     if on_gpu:
         torch._dynamo.config.cache_size_limit = 64  # one graph per shape and layout
-        ours_compiled, eager_compiled = torch.compile(rope_fwd_qk, fullgraph=True), torch.compile(eager)
+        # compiled per shape (dynamic=False): a shape seen second would otherwise get dynamic-shape kernels
+        ours_compiled, eager_compiled = (torch.compile(f, fullgraph=True, dynamic=False) for f in (rope_fwd_qk, eager))
         try:
             from liger_kernel.ops.rope import rope_forward as liger
         except ImportError as e:
