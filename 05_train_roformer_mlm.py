@@ -304,8 +304,8 @@ def load_hf_checkpoint(path, attn):
         raise FileNotFoundError(f"--init-from {path}: no model.safetensors or pytorch_model.bin")
     state = {k: v for k, v in state.items() if "embed_positions" not in k}  # sinusoidal: recomputed
     state.setdefault("cls.predictions.decoder.bias", state.pop("cls.predictions.bias", None))
-    state.setdefault("cls.predictions.decoder.weight", state["roformer.embeddings.word_embeddings.weight"])
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    state.setdefault("cls.predictions.decoder.weight", state.get("roformer.embeddings.word_embeddings.weight"))
+    missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if v is not None}, strict=False)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match RoFormerForMaskedLM: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
@@ -346,9 +346,11 @@ def sequences(data, seq_len):
 
 def batches(data, seq_len, batch_size, rank, world, start=0, held_out=False):
     """Endless batches (input_ids, attention_mask) of this rank's share of the training sequences after
-    its first `start` (a resumed run's position, across epochs); held_out=True: of the held-out ones, once."""
+    its first `start` (a resumed run's position, across epochs); held_out=True: of the held-out ones, once.
+    A batch runs on across an epoch's end, so that no sequence is dropped and `start` counts them all."""
+    ids, lengths = array.array("i"), []
     for _ in range(1) if held_out else itertools.count():  # held out: one pass; training: epoch after epoch
-        ids, lengths, found = array.array("i"), [], False
+        found = False
         split = (s for i, s in enumerate(sequences(data, seq_len)) if (i % 50 == 0) == held_out)
         for seq, n in itertools.islice(split, rank, None, world):
             found = True
@@ -452,7 +454,8 @@ def read_checkpoint(path, config):
 # --------
 
 
-def flops_per_token(n_params, cfg, seq_len):  # 6 a parameter, plus attention's QK^T and PV (PaLM's appendix B)
+def flops_per_token(n_params, cfg, seq_len):  # 6 a parameter, plus attention's QK^T and PV (PaLM's appendix B):
+    # the model's FLOPs as Hugging Face's model does them, the MLM head on every token (ours runs it on the masked)
     return 6 * n_params + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
 
 
@@ -509,6 +512,8 @@ def train(args, ddp, rank, world, device):
         VOCAB, args.hidden, args.layers, args.heads, 4 * args.hidden, max_position_embeddings=max(args.seq_len, 512),
         pad_token_id=PAD), args.attn)
     cfg, n_params = model.cfg, sum(p.numel() for p in model.parameters())
+    if cfg.vocab_size < VOCAB:
+        raise SystemExit(f"--init-from: a vocabulary of {cfg.vocab_size} tokens, too few for 05's {VOCAB} byte tokens")
     if args.seq_len > cfg.max_position_embeddings:
         raise SystemExit(f"--seq-len {args.seq_len} is over the model's angle table ({cfg.max_position_embeddings})")
     matmul_rate = matmul_tflops(device) if cuda else None
@@ -557,16 +562,16 @@ def train(args, ddp, rank, world, device):
             loss, acc = loss.item(), acc.item()  # waits for the GPU: the time below is its time
             dt = (time.perf_counter() - t0) / timed_steps
             history.append(dict(step=step, loss=loss, acc=acc, lr=lr, ms=dt * 1e3, tok_s=tokens_per_step / dt))
-            mfu = flops_per_token(n_params, cfg, args.seq_len) * tokens_per_step / dt / 1e12 / (matmul_rate or 1)
+            mfu = flops_per_token(n_params, cfg, args.seq_len) * tokens_per_step / world / dt / 1e12 / (matmul_rate or 1)
             gpu = f" | MFU {mfu:.1%} | peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if cuda else ""
             print(f"step {step:5d} | loss {loss:.4f} | masked acc {acc:.3f} | lr {lr:.2e} | {dt * 1e3:.0f} ms/step | "
                   f"{tokens_per_step / dt:.0f} tok/s{gpu}", flush=True)
-        if log or step == first_step + 1:  # the first step (traced, compiled, captured) is timed apart
-            t0, timed_steps = time.perf_counter(), 0
+        timed_apart = log or step == first_step + 1  # the first step (traced and compiled), evaluations, saves
         if master and (step % args.eval_interval == 0 or step == args.max_steps):
             val_loss, val_acc = evaluate(model, eval_batches, args, device)
             print(f"step {step:5d} | held-out loss {val_loss:.4f} | held-out masked acc {val_acc:.3f}", flush=True)
             history.append(dict(step=step, val_loss=val_loss, val_acc=val_acc))
+            timed_apart = True
         if step % args.ckpt_interval == 0 or step == stop_at:
             rngs = [dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device) if cuda else None)] * world
             if ddp:
@@ -574,6 +579,11 @@ def train(args, ddp, rank, world, device):
             if master:
                 save_atomic(dict(model=model.state_dict(), optimizer=optimizer.state_dict(), step=step, seen=seen,
                                  rng=rngs, history=history, args=vars(args), config=dataclasses.asdict(cfg)), ckpt_path)
+            timed_apart = True
+        if timed_apart:
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0, timed_steps = time.perf_counter(), 0
     if master:  # the history as log.json and log.csv
         with open(os.path.join(args.out, "log.json"), "w") as f:
             json.dump(history, f, indent=1)

@@ -159,6 +159,26 @@ def test_resume_gives_the_same_loss_curve(tmp_path):
     assert [r for r in straight if "val_loss" in r] == [r for r in resumed if "val_loss" in r]
 
 
+def test_resume_across_an_epoch_boundary(tmp_path):
+    """A text whose training sequences do not fill a whole number of batches: a batch runs on across the
+    epoch's end, so that the position a checkpoint stores counts every sequence, and a run resumed after
+    the boundary continues on the uninterrupted run's curve."""
+    lines = [f"line {i} of a small text file\n" for i in range(60)]
+    while True:
+        (tmp_path / "small.txt").write_text("".join(lines))
+        n_train = sum(i % 50 != 0 for i, _ in enumerate(train.sequences(str(tmp_path / "small.txt"), 32)))
+        if n_train % 2:
+            break
+        lines.append("one more line\n")
+    epoch = n_train // 2  # whole batches of 2 in an epoch
+    common = TINY + ["--data", str(tmp_path / "small.txt"), "--max-steps", str(epoch + 6)]
+    with deterministic_algorithms():
+        straight = train.main(["--out", str(tmp_path / "a")] + common)
+        train.main(["--out", str(tmp_path / "b"), "--stop-after", str(epoch + 2)] + common)
+        resumed = train.main(["--out", str(tmp_path / "b"), "--resume"] + common)
+    assert len(LOSSES(straight)) == epoch + 6 and LOSSES(resumed) == LOSSES(straight)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU (the CPU run checks that the flag is refused)")
 @pytest.mark.parametrize("attn, compiled", [("fused", False), ("triton", False), ("fused", True)])
 def test_cuda_graphs_replay_the_eager_layers(attn, compiled):
