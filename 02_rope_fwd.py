@@ -307,8 +307,8 @@ def _check_outs(tensors, outs, names):
     """Each output given matches its input and is that input (in place) or shares no memory with any input (the
     kernel loads q and k before storing either: an overlap would race). Returns the outputs, and if all in place."""
     if all(out is None for out in outs):  # fresh outputs cannot overlap anything
-        return [torch.empty_like(x) for x in tensors], False
-    outs = [torch.empty_like(x) if o is None else o for x, o in zip(tensors, outs)]
+        return [x.new_empty(x.shape) for x in tensors], False  # contiguous, as TransformerEngine's
+    outs = [x.new_empty(x.shape) if o is None else o for x, o in zip(tensors, outs)]
     out_names = ["out"] if len(outs) == 1 else [n + "_out" for n in names]
     in_place, tracing = [], torch.compiler.is_compiling()
     for x, out, name in zip(tensors, outs, out_names):
@@ -449,7 +449,7 @@ def rope_fwd(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
     cu_seqlens: int32 [b + 1], thd only: sequence i is tokens cu_seqlens[i]:cu_seqlens[i + 1], from position 0.
     start_positions: int [b]: sequence i uses angle rows start_positions[i] onwards (KV cache).
     out: where to write (same shape and dtype as t); ``out=t`` rotates in place.
-    Returns the output tensor. Works under torch.compile(fullgraph=True), in place too.
+    Returns the output tensor (new ones are contiguous). Works under torch.compile(fullgraph=True), in place too.
     """
     return _rope([t], [out], freqs, tensor_format, interleaved, cu_seqlens, start_positions)[0]
 

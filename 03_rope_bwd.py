@@ -7,11 +7,11 @@ In this tutorial, you will learn about:
 * deriving RoPE's backward, element by element: the forward with each half's sine moved to the other half and
   negated (one kernel, a direction flag); why that is "the angle negated" only for true rotation tables;
 * a ``torch.autograd.Function`` with TransformerEngine's ``apply_rotary_pos_emb`` signature, for q alone or q
-  and k (grouped-query attention) in one launch each way;
+  and k (grouped-query attention) in one launch each way, with context parallelism as a position map;
+* fused QKV: q, k and v straight out of one projection's output, and its gradient written back as one tensor;
 * registering Triton kernels with ``torch.library`` (``triton_op`` + ``wrap_triton``) so that
   ``torch.compile(fullgraph=True)`` captures them, and keeping host syncs out of compiled code;
-* checking gradients with ``torch.autograd.gradcheck`` in float64;
-* what autograd over the eager formula costs, against one read and one write.
+* checking gradients with ``torch.autograd.gradcheck`` in float64, and what autograd over the eager formula costs.
 
 Run ``python 03_rope_bwd.py``: it checks itself against autograd through the PyTorch reference, then
 benchmarks. This file imports only torch and triton: copy it alone into your project.
@@ -20,13 +20,11 @@ benchmarks. This file imports only torch and triton: copy it alone into your pro
 # %%
 # Setup: with no GPU, the kernels run in Triton's interpreter (set before triton is imported).
 import argparse
-import datetime
+import functools
 import hashlib
+import inspect
 import itertools
 import os
-import pathlib
-import platform
-import subprocess
 import sys
 import time
 import weakref
@@ -53,8 +51,7 @@ MAX_HEAD_DIM = 256
 
 
 def rope_freqs(max_seq_len, rotary_dim, base=10000.0, interleaved=False, device=None):
-    """Angle table f[pos, 0, 0, c] (float32, [max_seq_len, 1, 1, rotary_dim]) laid out as TE's
-    ``RotaryPositionEmbedding``: d2/2 inverse frequencies repeated as two halves or as pairs."""
+    """float32 angles [max_seq_len, 1, 1, rotary_dim], as TE's ``RotaryPositionEmbedding`` (halves or pairs)."""
     inv_freq = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
     angles = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), dim=-1)
@@ -74,8 +71,7 @@ def _token_positions(t, tensor_format, cu_seqlens, start_positions):
 
 def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
                    start_positions=None, compute_dtype=torch.float32):
-    """Plain PyTorch RoPE, differentiable. ``compute_dtype=None`` multiplies in t's dtype, which is
-    TransformerEngine's unfused formula exactly; float32 rounds once, like the kernel."""
+    """Plain PyTorch RoPE; float32 rounds once, like the kernel; compute_dtype=None is TE's unfused formula."""
     d2 = freqs.shape[-1]
     pos = _token_positions(t, tensor_format, cu_seqlens, start_positions)
     angles = freqs.reshape(freqs.shape[0], d2)[pos].unsqueeze(-2)  # [..., 1, d2]: one row per token
@@ -100,7 +96,7 @@ def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens
 #     dx_a = dy_a cos(f_a) + dy_b sin(f_b)          e.g. dt[0]    = dy[0] cos(f[0]) + dy[d2/2] sin(f[d2/2])
 #     dx_b = dy_b cos(f_b) - dy_a sin(f_a)               dt[d2/2] = dy[d2/2] cos(f[d2/2]) - dy[0] sin(f[0])
 #
-# (In TE's notation, dx = dy cos(f) + R^T(dy sin(f)) with R^T = -R: a quarter turn back.) In the forward's shape:
+# (In TE's notation, dx = dy cos(f) + R^T(dy sin(f)), R^T = -R: a quarter turn back.) In the forward's shape:
 #
 #     dx_a = dy_a cos(f_a) - dy_b (-sin(f_b))
 #     dx_b = dy_b cos(f_b) + dy_a (-sin(f_a))
@@ -117,14 +113,29 @@ def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens
 # rotate-half's slices, negation and concatenation, the sum, the concatenation with the pass-through part),
 # each reading and writing full tensors.
 #
+# Fused QKV (Megatron's layout): one projection gives qkv [s, b, h, W], each of the h groups holding g q heads,
+# one k head and one v head of d channels, W = (g + 2) d. Unfused, q must be copied out of qkv before it can be
+# viewed as [s, b, h g, d], then rotated (N_q read and written twice), k rotated, v passed as a view; in the
+# backward, autograd rotates dq and dk into new tensors and concatenates dq, dk and dv into dqkv (N read and
+# written once more). The fused op reads qkv once and writes q, k and v once (2N), and in the backward reads
+# dq, dk and dv once and writes dqkv once (2N): about half the traffic each way, and one launch instead of four.
+#
+# Context parallelism (TE's layout): each sequence is cut into 2 cp_size chunks of c tokens, and rank r holds
+# chunks r and 2 cp_size - 1 - r (which balances causal attention). Local token i < c sits at position r c + i,
+# local token i >= c at (2 cp_size - 2 - r) c + i. The kernel applies this map to each token's position; in thd
+# cu_seqlens holds the full sequences' offsets, and the rank's tokens of sequence j are cu_seqlens[j] / cp_size
+# onwards.
+#
 # The kernel
 # ----------
-# 02's kernel, generalised in three ways:
+# 02's kernel, generalised:
 #   1. BACKWARD swaps and negates the sines, as derived above; nothing else changes.
 #   2. float64 inputs are computed in float64 (for gradcheck); other dtypes in float32.
 #   3. In thd the grid walks the packed tokens and each token finds its sequence by a binary search in
 #      cu_seqlens. 02's grid needs the longest sequence, known on the host only after a sync; this one needs no
 #      such number, so compiled code launches it exactly.
+#   4. Positions go through the context-parallel map (the identity for cp_size = 1).
+#   5. Fused QKV: q head j at group j // g, channel (j % g) d; k's own angle table; v copied by the same program.
 # Angle rows past the table are masked (read as 0), not read out of bounds (see the argument checks).
 
 
@@ -146,10 +157,10 @@ def _load_pairs(x_tile, stride_d, mask, rot_dim, BLOCK_S: tl.constexpr, BLOCK_H:
 
 
 @triton.jit
-def _store_rotated(y_tile, stride_d, mask, x_a, x_b, cos_a, sin_a, cos_b, sin_b, rot_dim,
-                   BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-                   INTERLEAVED: tl.constexpr):
+def _store_rotated(y_tile, stride_d, mask, x_a, x_b, angles, rot_dim, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+                   HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
     """y_a = x_a cos_a - x_b sin_a, y_b = x_b cos_b + x_a sin_b, stored in y's dtype."""
+    cos_a, sin_a, cos_b, sin_b = angles
     y_a = (x_a * cos_a - x_b * sin_a).to(y_tile.dtype.element_ty)
     y_b = (x_b * cos_b + x_a * sin_b).to(y_tile.dtype.element_ty)
     if INTERLEAVED:
@@ -171,51 +182,21 @@ def _copy_pass_through(x_tile, y_tile, stride_xd, stride_yd, mask, head_dim, rot
 
 
 @triton.jit
-def _sequence_of(cu_seqlens_ptr, token, n_seqs):
-    """The sequence each token belongs to: the last i with cu_seqlens[i] <= token, by binary
-    search (about log2(n_seqs) steps; the few entries read stay in cache)."""
+def _sequence_of(cu_seqlens_ptr, token, n_seqs, cp_size):
+    """Each token's sequence: the last i with cu_seqlens[i] / cp_size <= token, by binary search (entries cached)."""
     lo = tl.zeros_like(token)
-    hi = lo + n_seqs  # invariant: cu_seqlens[lo] <= token < cu_seqlens[hi]
+    hi = lo + n_seqs  # invariant: cu_seqlens[lo] <= token < cu_seqlens[hi] (divided by cp_size)
     while tl.max(hi - lo, axis=0) > 1:
         mid = (lo + hi) // 2
-        right = tl.load(cu_seqlens_ptr + mid) <= token
+        right = tl.load(cu_seqlens_ptr + mid) // cp_size <= token
         lo, hi = tl.where(right, mid, lo), tl.where(right, hi, mid)
     return lo
 
 
 @triton.jit
-def rope_kernel(
-    q_ptr, q_out_ptr, k_ptr, k_out_ptr, freqs_ptr, angles_shared_ptr, cu_seqlens_ptr, start_positions_ptr,
-    n_batch, n_seq_blocks, seqlen, n_q_heads, n_k_heads, head_dim, rot_dim, n_positions,
-    stride_qb, stride_qs, stride_qh, stride_qd, stride_qob, stride_qos, stride_qoh, stride_qod,
-    stride_kb, stride_ks, stride_kh, stride_kd, stride_kob, stride_kos, stride_koh, stride_kod,
-    stride_fs, stride_fd,
-    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
-    N_HEAD_BLOCKS: tl.constexpr, INTERLEAVED: tl.constexpr, IS_THD: tl.constexpr,
-    HAS_START_POSITIONS: tl.constexpr, HAS_K: tl.constexpr, COPY_PASS: tl.constexpr,
-    BATCH_FASTEST: tl.constexpr, BACKWARD: tl.constexpr, IS_FP64: tl.constexpr,
-):
-    # A 1-D grid in memory order: in sbhd the batch index moves fastest, in bshd the position; in
-    # thd the program walks the packed tokens (seqlen is then the number of tokens).
-    pid = tl.program_id(0)
-    if IS_THD:
-        s = pid * BLOCK_S + tl.arange(0, BLOCK_S)
-        row_mask = s < seqlen
-        batch = _sequence_of(cu_seqlens_ptr, s, n_batch)  # one sequence per token
-        pos = s - tl.load(cu_seqlens_ptr + batch)
-    else:
-        if BATCH_FASTEST:
-            pid_s, batch = pid // n_batch, pid % n_batch
-        else:
-            pid_s, batch = pid % n_seq_blocks, pid // n_seq_blocks
-        s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-        row_mask = s < seqlen
-        pos = s
-    if HAS_START_POSITIONS:
-        pos = pos + tl.load(start_positions_ptr + batch)
-
-    # Angles once per token, shared by every head of q and k. The second half is read only when
-    # the table's halves differ (a device-side flag, computed once per table, as in 02).
+def _cos_sin(freqs_ptr, angles_shared_ptr, pos, row_mask, n_positions, stride_fs, stride_fd, rot_dim,
+             HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, IS_FP64: tl.constexpr):
+    """(cos_a, sin_a, cos_b, sin_b), [BLOCK_S, 1, HALF] each; f_b read only if the table's halves differ (as in 02)."""
     i = tl.arange(0, HALF)
     if INTERLEAVED:
         f_a, f_b = 2 * i, 2 * i + 1
@@ -232,33 +213,90 @@ def rope_kernel(
     cos_b, sin_b = tl.cos(angle_b).to(compute), tl.sin(angle_b).to(compute)
     if BACKWARD:  # the transposed rotation: the sines trade halves and change sign
         sin_a, sin_b = -sin_b, -sin_a
+    return cos_a, sin_a, cos_b, sin_b
+
+
+@triton.jit
+def rope_kernel(
+    q_ptr, q_out_ptr, k_ptr, k_out_ptr, v_ptr, v_out_ptr, freqs_ptr, angles_shared_ptr, k_freqs_ptr,
+    k_angles_shared_ptr, cu_seqlens_ptr, start_positions_ptr,
+    n_batch, n_seq_blocks, seqlen, n_q_heads, n_k_heads, head_dim, rot_dim, n_positions, cp_size, cp_rank,
+    k_col, k_out_col, v_col, v_out_col,  # fused QKV: where k and v start in the packed tensor (channels)
+    stride_qb, stride_qs, stride_qh, stride_qd, stride_qob, stride_qos, stride_qoh, stride_qod,
+    stride_kb, stride_ks, stride_kh, stride_kd, stride_kob, stride_kos, stride_koh, stride_kod,
+    stride_vb, stride_vs, stride_vh, stride_vd, stride_vob, stride_vos, stride_voh, stride_vod,
+    stride_fs, stride_fd, stride_kfs, stride_kfd,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
+    DIM: tl.constexpr,
+    N_HEAD_BLOCKS: tl.constexpr, INTERLEAVED: tl.constexpr, IS_THD: tl.constexpr,
+    HAS_START_POSITIONS: tl.constexpr, HAS_K: tl.constexpr, HAS_V: tl.constexpr, K_FREQS: tl.constexpr,
+    Q_GROUP_IN: tl.constexpr, Q_GROUP_OUT: tl.constexpr, PACKED_OUT: tl.constexpr, COPY_PASS: tl.constexpr,
+    BATCH_FASTEST: tl.constexpr, BACKWARD: tl.constexpr, IS_FP64: tl.constexpr,
+):
+    # A 1-D grid in memory order: in sbhd the batch index moves fastest, in bshd the position; in
+    # thd the program walks the packed tokens (seqlen is then the number of tokens).
+    pid = tl.program_id(0)
+    if PACKED_OUT:  # fused QKV's gradient: one output tensor, passed once (compiled code copies each one written)
+        k_out_ptr, v_out_ptr = q_out_ptr, q_out_ptr
+    if IS_THD:
+        s = pid * BLOCK_S + tl.arange(0, BLOCK_S)
+        row_mask = s < seqlen
+        batch = _sequence_of(cu_seqlens_ptr, s, n_batch, cp_size)  # one sequence per token
+        first = tl.load(cu_seqlens_ptr + batch) // cp_size
+        length = tl.load(cu_seqlens_ptr + batch + 1) // cp_size - first
+        pos = s - first
+    else:
+        if BATCH_FASTEST:
+            pid_s, batch = pid // n_batch, pid % n_batch
+        else:
+            pid_s, batch = pid % n_seq_blocks, pid // n_seq_blocks
+        s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+        row_mask = s < seqlen
+        pos, length = s, seqlen
+    half_local = length // 2  # c: the context-parallel map, the identity when cp_size = 1
+    pos = tl.where(pos < half_local, pos + cp_rank * half_local, pos + (2 * cp_size - 2 - cp_rank) * half_local)
+    if HAS_START_POSITIONS:
+        pos = pos + tl.load(start_positions_ptr + batch)
+    q_angles = _cos_sin(freqs_ptr, angles_shared_ptr, pos, row_mask, n_positions, stride_fs, stride_fd, rot_dim,
+                        HALF, INTERLEAVED, BACKWARD, IS_FP64)
+    k_angles = q_angles
+    if K_FREQS:  # fused QKV: k has a table of its own
+        k_angles = _cos_sin(k_freqs_ptr, k_angles_shared_ptr, pos, row_mask, n_positions, stride_kfs, stride_kfd,
+                            rot_dim, HALF, INTERLEAVED, BACKWARD, IS_FP64)
 
     tokens = s.to(tl.int64)[:, None, None]  # row offsets in int64, [BLOCK_S, 1, 1]
     batch = 0 if IS_THD else batch.to(tl.int64)  # thd's rows are the packed tokens themselves
     q_rows, q_out_rows = q_ptr + batch * stride_qb + tokens * stride_qs, q_out_ptr + batch * stride_qob + tokens * stride_qos
-    k_rows, k_out_rows = k_ptr + batch * stride_kb + tokens * stride_ks, k_out_ptr + batch * stride_kob + tokens * stride_kos
-    rows = row_mask[:, None, None]
-    # Heads BLOCK_H at a time, unrolled; every load of a step (q and k) before its first store.
+    k_rows = k_ptr + k_col * stride_kd + batch * stride_kb + tokens * stride_ks
+    k_out_rows = k_out_ptr + k_out_col * stride_kod + batch * stride_kob + tokens * stride_kos
+    v_rows = v_ptr + v_col * stride_vd + batch * stride_vb + tokens * stride_vs
+    v_out_rows = v_out_ptr + v_out_col * stride_vod + batch * stride_vob + tokens * stride_vos
+    # The heads in N_HEAD_BLOCKS unrolled steps, each with a share of q's (BLOCK_H) and of k's and v's (BLOCK_HK, fewer
+    # with GQA: equal shares keep as many bytes in flight at every step); all loads of a step before its first store.
     for hb in tl.static_range(N_HEAD_BLOCKS):
         h = (hb * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[None, :, None]
-        q_mask = rows & (h < n_q_heads)
-        q_a, q_b = _load_pairs(q_rows + h * stride_qh, stride_qd, q_mask, rot_dim, BLOCK_S, BLOCK_H, HALF,
-                               INTERLEAVED, IS_FP64)
+        hk = (hb * BLOCK_HK + tl.arange(0, BLOCK_HK)).to(tl.int64)[None, :, None]
+        q_mask, k_mask = row_mask[:, None, None] & (h < n_q_heads), row_mask[:, None, None] & (hk < n_k_heads)
+        q_tile = q_rows + (h // Q_GROUP_IN) * stride_qh + (h % Q_GROUP_IN) * head_dim * stride_qd
+        q_out_tile = q_out_rows + (h // Q_GROUP_OUT) * stride_qoh + (h % Q_GROUP_OUT) * head_dim * stride_qod
+        q_a, q_b = _load_pairs(q_tile, stride_qd, q_mask, rot_dim, BLOCK_S, BLOCK_H, HALF, INTERLEAVED, IS_FP64)
         if HAS_K:
-            k_mask = rows & (h < n_k_heads)
-            k_a, k_b = _load_pairs(k_rows + h * stride_kh, stride_kd, k_mask, rot_dim, BLOCK_S, BLOCK_H, HALF,
+            k_a, k_b = _load_pairs(k_rows + hk * stride_kh, stride_kd, k_mask, rot_dim, BLOCK_S, BLOCK_HK, HALF,
                                    INTERLEAVED, IS_FP64)
-        _store_rotated(q_out_rows + h * stride_qoh, stride_qod, q_mask, q_a, q_b, cos_a, sin_a, cos_b, sin_b,
-                       rot_dim, BLOCK_S, BLOCK_H, HALF, INTERLEAVED)
+        if HAS_V:  # fused QKV: v (or its gradient) copied whole, loaded with q and k, before any store
+            c = tl.arange(0, DIM)[None, None, :]
+            v = tl.load(v_rows + hk * stride_vh + c * stride_vd, mask=k_mask & (c < head_dim))
+        _store_rotated(q_out_tile, stride_qod, q_mask, q_a, q_b, q_angles, rot_dim, BLOCK_S, BLOCK_H, HALF, INTERLEAVED)
         if HAS_K:
-            _store_rotated(k_out_rows + h * stride_koh, stride_kod, k_mask, k_a, k_b, cos_a, sin_a, cos_b,
-                           sin_b, rot_dim, BLOCK_S, BLOCK_H, HALF, INTERLEAVED)
+            _store_rotated(k_out_rows + hk * stride_koh, stride_kod, k_mask, k_a, k_b, k_angles, rot_dim, BLOCK_S,
+                           BLOCK_HK, HALF, INTERLEAVED)
         if COPY_PASS:  # channels d2: pass through (the gradient too: dx = dy there)
-            _copy_pass_through(q_rows + h * stride_qh, q_out_rows + h * stride_qoh, stride_qd, stride_qod, q_mask,
-                               head_dim, rot_dim, PASS)
+            _copy_pass_through(q_tile, q_out_tile, stride_qd, stride_qod, q_mask, head_dim, rot_dim, PASS)
             if HAS_K:
-                _copy_pass_through(k_rows + h * stride_kh, k_out_rows + h * stride_koh, stride_kd, stride_kod,
+                _copy_pass_through(k_rows + hk * stride_kh, k_out_rows + hk * stride_koh, stride_kd, stride_kod,
                                    k_mask, head_dim, rot_dim, PASS)
+        if HAS_V:
+            tl.store(v_out_rows + hk * stride_voh + c * stride_vod, v, mask=k_mask & (c < head_dim))
 
 
 # %%
@@ -266,9 +304,8 @@ def rope_kernel(
 # -------------------------------------------------
 # torch.compile cannot see inside a plain Python call to a Triton kernel; it would break the graph there.
 # ``torch.library.triton_op`` registers the launcher as an operator and ``wrap_triton`` lets the compiler trace
-# the kernel itself (and schedule it with the rest of the graph). Where torch lacks triton_op, or the kernel
-# runs in the interpreter, a ``custom_op`` with a "fake" implementation (output shapes only) keeps the graph
-# whole, the kernel opaque. Either way the op must be pure tensor work: no host syncs, no Python state.
+# the kernel itself. Where torch lacks triton_op, or in the interpreter, a ``custom_op`` with a "fake" (output
+# shapes only) keeps the graph whole, the kernel opaque. Either way: pure tensor work, no host syncs.
 
 
 def _next_pow2(n):  # plain Python: triton.next_power_of_2 is slow to call in Triton 3.9
@@ -277,65 +314,91 @@ def _next_pow2(n):  # plain Python: triton.next_power_of_2 is slow to call in Tr
 
 def _layout(t, tensor_format):
     """(batch, seqlen, heads, head_dim) and the strides in that order; thd has batch stride 0."""
-    if tensor_format == "sbhd":
-        return (t.shape[1], t.shape[0], t.shape[2], t.shape[3]), (t.stride(1), t.stride(0), t.stride(2), t.stride(3))
-    if tensor_format == "bshd":
-        return tuple(t.shape), tuple(t.stride())
-    return (None, t.shape[0], t.shape[1], t.shape[2]), (0, t.stride(0), t.stride(1), t.stride(2))
-
-
-def _launch_kernel(kernel, grid, *args, **kwargs):
-    kernel[grid](*args, **kwargs)
-
-
-def _rope_impl(q, k, freqs, angles_shared, cu_seqlens, start_positions, tensor_format, interleaved, backward,
-               kernel=rope_kernel):
-    """Rotate q (and k) by freqs, forward or (backward=True) by the transposed rotation."""
-    outs = [torch.empty_like(x) for x in (q, k) if x is not None]
-    if q.numel() == 0:
-        return outs
-    k_, k_out = (k, outs[1]) if k is not None else (q, outs[0])
-    (batch, seqlen, _, head_dim), _ = _layout(q, tensor_format)
-    rot_dim, n_heads = freqs.shape[3], (q.shape[-2], k_.shape[-2])
-    half, block_h = _next_pow2(rot_dim // 2), max(1, _next_pow2(max(n_heads)) // 4)  # 02's sweep: heads in 4 steps
-    n_programs = seqlen * (1 if tensor_format == "thd" else batch)  # one token each; thd walks the packed tokens
     if tensor_format == "thd":
-        batch = cu_seqlens.shape[0] - 1
-    strides = [s for x in (q, outs[0], k_, k_out) for s in _layout(x, tensor_format)[1]]
-    _launch_kernel(
-        kernel, (n_programs,), q, outs[0], k_, k_out, freqs, angles_shared,
-        cu_seqlens if cu_seqlens is not None else angles_shared,
+        return (None, *t.shape), (0, *t.stride())
+    order = (1, 0, 2, 3) if tensor_format == "sbhd" else (0, 1, 2, 3)
+    return tuple(t.shape[i] for i in order), tuple(t.stride(i) for i in order)
+
+
+def _launch(kernel, q, q_out, k, k_out, freqs, angles_shared, cu_seqlens, start_positions, tensor_format,
+            interleaved, backward, cp_size, cp_rank, v=None, v_out=None, k_freqs=None, k_shared=None, q_groups=(1, 1),
+            cols=(0, 0, 0, 0)):
+    """Rotate q into q_out and k into k_out (backward=True: the transposed rotation) and copy v into v_out, in one
+    launch. Fused QKV: q heads a group (q_groups, in and out), where k and v start in the packed tensor (cols)."""
+    (batch, seqlen, _, head_dim), _ = _layout(q_out if cols[0] else q, tensor_format)  # not the packed qkv
+    rot_dim, n_heads = freqs.shape[3], (q.shape[-2] * q_groups[0], (k if k is not None else q).shape[-2])
+    if q.numel() == 0 or kernel is None:
+        return
+    half, blocks = _next_pow2(rot_dim // 2), [max(1, _next_pow2(n) // 4) for n in n_heads]  # heads in ~4 steps (02)
+    # one token a program; thd walks the packed tokens
+    n_programs, batch = (seqlen, cu_seqlens.shape[0] - 1) if tensor_format == "thd" else (seqlen * batch, batch)
+    io = [(q, q_out), (k, k_out) if k is not None else (q, q_out), (v, v_out) if v is not None else (q, q_out)]
+    k_freqs, pointers = freqs if k_freqs is None else k_freqs, [x for pair in io for x in pair]
+    pointers[3::2] = pointers[2::2] if cols[1] else pointers[3::2]  # PACKED_OUT: k, v stand in for the unused outputs
+    kernel[(n_programs,)](
+        *pointers, freqs, angles_shared, k_freqs,
+        angles_shared if k_shared is None else k_shared, cu_seqlens if cu_seqlens is not None else angles_shared,
         start_positions if start_positions is not None else angles_shared,
-        batch, seqlen, seqlen, n_heads[0], n_heads[1], head_dim, rot_dim, freqs.shape[0],
-        *strides, freqs.stride(0), freqs.stride(3),
-        BLOCK_S=1, BLOCK_H=block_h, HALF=half, PASS=_next_pow2(max(head_dim - rot_dim, 1)),
-        N_HEAD_BLOCKS=-(-max(n_heads) // block_h), INTERLEAVED=interleaved, IS_THD=tensor_format == "thd",
-        HAS_START_POSITIONS=start_positions is not None, HAS_K=k is not None, COPY_PASS=rot_dim < head_dim,
-        BATCH_FASTEST=tensor_format == "sbhd", BACKWARD=backward, IS_FP64=q.dtype == torch.float64,
-        num_warps=2 if block_h * half <= 128 else 4)
-    return outs
+        batch, seqlen, seqlen, *n_heads, head_dim, rot_dim, freqs.shape[0], cp_size, cp_rank, *cols,
+        *[s for pair in io for x in pair for s in _layout(x, tensor_format)[1]], freqs.stride(0), freqs.stride(3),
+        k_freqs.stride(0), k_freqs.stride(3),
+        BLOCK_S=1, BLOCK_H=blocks[0], BLOCK_HK=blocks[1], N_HEAD_BLOCKS=max(-(-n // b) for n, b in zip(n_heads, blocks)),
+        HALF=half, PASS=_next_pow2(max(head_dim - rot_dim, 1)), DIM=_next_pow2(head_dim), INTERLEAVED=interleaved,
+        IS_THD=tensor_format == "thd", HAS_START_POSITIONS=start_positions is not None, HAS_K=k is not None,
+        HAS_V=v is not None, K_FREQS=k_shared is not None, Q_GROUP_IN=q_groups[0], Q_GROUP_OUT=q_groups[1],
+        PACKED_OUT=cols[1] > 0, COPY_PASS=rot_dim < head_dim, BATCH_FASTEST=tensor_format == "sbhd", BACKWARD=backward,
+        IS_FP64=q.dtype == torch.float64,  # warps: the sweeps of results/02_rope_fwd_sweep.log, 03_rope_bwd_sweep.log
+        num_warps=4 if blocks[0] * half > 128 else 1 if v is not None and (blocks[0] + 2 * blocks[1]) * half < 256 else 2)
 
 
-def _rope_op_body(q: torch.Tensor, k: Optional[torch.Tensor], freqs: torch.Tensor, angles_shared: torch.Tensor,
-                  cu_seqlens: Optional[torch.Tensor], start_positions: Optional[torch.Tensor],
-                  tensor_format: str, interleaved: bool, backward: bool) -> List[torch.Tensor]:
-    return _rope_impl(q, k, freqs, angles_shared, cu_seqlens, start_positions, tensor_format, interleaved,
-                      backward, kernel=_wrap(rope_kernel))
+def _rope_impl(x: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], freqs: torch.Tensor,
+               k_freqs: Optional[torch.Tensor], angles_shared: torch.Tensor, k_shared: Optional[torch.Tensor],
+               cu_seqlens: Optional[torch.Tensor], start_positions: Optional[torch.Tensor], tensor_format: str,
+               interleaved: bool, backward: bool, cp_size: int, cp_rank: int, q_width: int,
+               kernel=rope_kernel) -> List[torch.Tensor]:
+    """RoPE (backward=True: the transposed rotation) into new contiguous tensors, as TransformerEngine's. q_width = 0:
+    x is q, k optional. Fused QKV (q_width > 0): k None splits x = qkv [.., h, q_width + 2 d] into q [.., h g, d], k
+    and v [.., h, d]; else x, k, v (dq, dk, dv) are merged into one [.., h, q_width + 2 d] (no concatenation)."""
+    args = (freqs, angles_shared, cu_seqlens, start_positions, tensor_format, interleaved, backward, cp_size, cp_rank)
+    if not q_width:
+        outs = [t.new_empty(t.shape) for t in (x, k) if t is not None]
+        _launch(kernel, x, outs[0], k, outs[-1] if k is not None else None, *args)
+        return outs
+    split, d = k is None, (x.shape[-1] - q_width) // 2 if k is None else k.shape[-1]
+    qkv = x if split else x.new_empty(*k.shape[:3], q_width + 2 * d)
+    parts = [x.new_empty(*x.shape[:2], x.shape[2] * (q_width // d), d), x.new_empty(*x.shape[:3], d),
+             x.new_empty(*x.shape[:3], d)] if split else [x, k, v]
+    (q, k, v), (q_out, k_out, v_out) = ([qkv] * 3, parts) if split else (parts, [qkv] * 3)  # qkv whole: no views
+    g = q_width // d  # q heads a group; in qkv, k starts at channel q_width and v at q_width + d
+    _launch(kernel, q, q_out, k, k_out, *args, v, v_out, k_freqs, k_shared, (g, 1) if split else (1, g),
+            (q_width, 0, q_width + d, 0) if split else (0, q_width, 0, q_width + d))
+    return parts if split else [qkv]
+
+
+def _register(name, impl):
+    """impl as the op rope_tutorial::<name> (fresh if this file was loaded before): a triton_op, or a custom_op."""
+    name = next(f"rope_tutorial::{name}{n or ''}" for n in itertools.count()
+                if not hasattr(torch.ops.rope_tutorial, f"{name}{n or ''}"))
+    kernel = torch.library.wrap_triton(rope_kernel) if _USE_TRITON_OP else rope_kernel
+
+    def body(*args):
+        return impl(*args, kernel=kernel)
+    signature = inspect.signature(impl)  # the op's schema: impl's annotated arguments, without `kernel`
+    body.__signature__ = signature.replace(parameters=list(signature.parameters.values())[:-1])
+    if _USE_TRITON_OP:
+        op = torch.library.triton_op(name, body, mutates_args=())
+    else:
+        op = torch.library.custom_op(name, body, mutates_args=())
+        op.register_fake(lambda *args: impl(*args, kernel=None))  # outputs allocated, nothing launched
+
+    def call(*args):  # the op where torch.compile traces; in eager mode a direct launch, where the dispatcher, the
+        return op(*args) if torch.compiler.is_compiling() else impl(*args)  # op's autograd and alias checks cost time
+    call.op = op
+    return call
 
 
 _USE_TRITON_OP = hasattr(torch.library, "triton_op") and os.environ.get("TRITON_INTERPRET") != "1"
-_wrap = torch.library.wrap_triton if _USE_TRITON_OP else (lambda kernel: kernel)
-_n = next(n for n in itertools.count() if not hasattr(torch.ops.rope_tutorial, f"rope{n or ''}"))
-rope_op = (torch.library.triton_op if _USE_TRITON_OP else torch.library.custom_op)(
-    f"rope_tutorial::rope{_n or ''}", _rope_op_body, mutates_args=())  # a fresh name if this file was loaded before
-if not _USE_TRITON_OP:
-    rope_op.register_fake(lambda q, k, *args: [torch.empty_like(x) for x in (q, k) if x is not None])
-
-
-def _rope(*args):
-    """The registered op where torch.compile is tracing; a direct launch in eager mode, where the dispatcher, the
-    op's autograd wrapper and its aliasing checks would add host time (timed: results/03_rope_bwd_H100.md)."""
-    return rope_op(*args) if torch.compiler.is_compiling() else _rope_impl(*args)
+_rope = _register("rope", _rope_impl)
 
 
 # %%
@@ -349,8 +412,7 @@ def _rope(*args):
 _last_results = {}  # what -> (key, weak references to the tensors, result)
 
 
-def _remember(what, tensors, extra_key, compute):
-    """compute(), or its result for the same tensors last time (same identity and version counter)."""
+def _remember(what, tensors, extra_key, compute):  # compute(), or its result for the same tensors and versions
     key = tuple((id(x), x._version) for x in tensors) + extra_key
     last = _last_results.get(what)
     if last is None or last[0] != key or not all(ref() is x for ref, x in zip(last[1], tensors)):
@@ -358,23 +420,26 @@ def _remember(what, tensors, extra_key, compute):
     return _last_results[what][2]
 
 
-def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
+def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions, cp_size):
+    """The checks that read cu_seqlens and start_positions (a host sync). Lengths are the full sequences'."""
     if cu_seqlens is not None:
         cu = cu_seqlens.tolist()
         if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}...")
-        if cu[-1] != n_tokens:
-            raise ValueError(f"cu_seqlens[-1] = {cu[-1]} must equal the number of tokens of t, {n_tokens}")
+        if cu[-1] != n_tokens * cp_size:
+            raise ValueError(f"cu_seqlens[-1] = {cu[-1]} must be t's number of tokens times cp_size, {n_tokens * cp_size}")
         lengths = [b - a for a, b in zip(cu, cu[1:])]
+        if cp_size > 1 and any(n % (2 * cp_size) for n in lengths):
+            raise ValueError(f"with cp_size = {cp_size}, the sequence lengths in cu_seqlens must be multiples of "
+                             f"2 * cp_size (padded), got {lengths[:8]}")
     else:
-        lengths = [seqlen] * start_positions.numel()
+        lengths = [seqlen * cp_size] * start_positions.numel()
     starts = start_positions.tolist() if start_positions is not None else [0] * len(lengths)
     if min(starts, default=0) < 0:
         raise ValueError(f"start_positions must be >= 0, got {min(starts)}")
     needed = max((s + n for s, n in zip(starts, lengths)), default=0)
     if needed > max_positions:
-        raise ValueError(f"positions up to {needed - 1} are needed (start_positions + sequence length) "
-                         f"but freqs has only {max_positions} rows (s2)")
+        raise ValueError(f"positions up to {needed - 1} are needed, but freqs has only {max_positions} rows (s2)")
     return True
 
 
@@ -389,9 +454,11 @@ def _angles_shared(freqs, interleaved):
     return _remember("angles shared", (freqs,), (interleaved,), compute)
 
 
-def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions):
+def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions, cp_size=1, cp_rank=0):
     if tensor_format not in TENSOR_FORMATS:
         raise ValueError(f"tensor_format must be one of {TENSOR_FORMATS}, got {tensor_format!r}")
+    if not (isinstance(cp_size, int) and isinstance(cp_rank, int) and 0 <= cp_rank < cp_size):
+        raise ValueError(f"cp_size and cp_rank: ints, 0 <= cp_rank < cp_size; got cp_size={cp_size!r}, cp_rank={cp_rank!r}")
     rank = 3 if tensor_format == "thd" else 4
     for x, name in zip(tensors, names):
         if not isinstance(x, torch.Tensor):
@@ -418,10 +485,9 @@ def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions):
         if x.dtype != t.dtype or (xb, xs, xd) != (batch, seqlen, head_dim):
             raise ValueError(f"{name} must match {names[0]} in dtype and in every dim but heads: got "
                              f"{tuple(x.shape)} {x.dtype}, {names[0]} is {tuple(t.shape)} {t.dtype}")
-    extras = [(freqs, "freqs"), (cu_seqlens, "cu_seqlens"), (start_positions, "start_positions")]
-    for x, name in list(zip(tensors, names)) + extras:
+    for x, n in [*zip(tensors, names), (freqs, "freqs"), (cu_seqlens, "cu_seqlens"), (start_positions, "start_positions")]:
         if isinstance(x, torch.Tensor) and x.device != t.device:
-            raise ValueError(f"{name} is on {x.device} but {names[0]} is on {t.device}")
+            raise ValueError(f"{n} is on {x.device} but {names[0]} is on {t.device}")
     if tensor_format == "thd":
         if cu_seqlens is None:
             raise ValueError("cu_seqlens is required for tensor_format='thd'")
@@ -432,15 +498,17 @@ def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions):
         batch = cu_seqlens.numel() - 1
     elif cu_seqlens is not None:
         raise ValueError(f"cu_seqlens is only for tensor_format='thd', got tensor_format={tensor_format!r}")
-    elif seqlen > max_positions:
-        raise ValueError(f"sequence length {seqlen} is over the {max_positions} rows (s2) of freqs")
+    elif cp_size > 1 and seqlen % 2:
+        raise ValueError(f"with cp_size > 1 the local sequence length must be even (two chunks), got {seqlen}")
+    elif seqlen * cp_size > max_positions:
+        raise ValueError(f"sequence length {seqlen} (times cp_size) is over the {max_positions} rows (s2) of freqs")
     if start_positions is not None:
         if not isinstance(start_positions, torch.Tensor) or start_positions.dtype not in (torch.int32, torch.int64):
             raise TypeError("start_positions must be an int32 or int64 tensor")
         if start_positions.shape != (batch,):
             raise ValueError(f"start_positions must have shape [b] = [{batch}], got {tuple(start_positions.shape)}")
     if (cu_seqlens is not None or start_positions is not None) and not torch.compiler.is_compiling():
-        args = (cu_seqlens, start_positions, seqlen, t.shape[0], max_positions)
+        args = (cu_seqlens, start_positions, seqlen, t.shape[0], max_positions, cp_size)
         _remember("values checked", [x for x in args[:2] if x is not None], args[2:], lambda: _read_values(*args))
 
 
@@ -452,69 +520,98 @@ def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions):
 
 
 class _ApplyRoPE(torch.autograd.Function):
-    """Rotate (backward=False) or apply the transposed rotation (backward=True). Each direction's
-    gradient is the other direction, so double backward works too."""
+    """_rope_impl; each direction's gradient is the other (rotation and transpose, split and merge): double backward."""
 
     @staticmethod
-    def forward(ctx, q, k, freqs, angles_shared, cu_seqlens, start_positions, tensor_format, interleaved, backward):
-        ctx.save_for_backward(freqs, angles_shared, cu_seqlens, start_positions)
-        ctx.args, ctx.has_k = (tensor_format, interleaved, not backward), k is not None
-        return tuple(_rope(q, k, freqs, angles_shared, cu_seqlens, start_positions, tensor_format, interleaved, backward))
+    def forward(ctx, x, k, v, *args):  # args: _rope_impl's from freqs on
+        ctx.save_for_backward(*args[:6])
+        ctx.args = args[6:8] + (not args[8],) + args[9:]
+        return tuple(_rope(x, k, v, *args))
 
     @staticmethod
     def backward(ctx, *grads):
-        dq, dk = grads if ctx.has_k else (grads[0], None)
-        dx = _ApplyRoPE.apply(dq, dk, *ctx.saved_tensors, *ctx.args)
-        return dx[0], dx[1] if ctx.has_k else None, None, None, None, None, None, None, None
+        dx = _ApplyRoPE.apply(*grads, *[None] * (3 - len(grads)), *ctx.saved_tensors, *ctx.args)
+        return (*dx, *[None] * (15 - len(dx)))
 
 
-def _apply(tensors, names, freqs, tensor_format, start_positions, interleaved, cu_seqlens, backward=False):
+def _apply(tensors, names, freqs, tensor_format, start_positions, interleaved, cu_seqlens, backward=False,
+           cp_size=1, cp_rank=0):
     """Checks, then the autograd Function (forward) or the kernel alone (rope_bwd, rope_bwd_qk)."""
-    _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions)
-    args = (tensors[0], tensors[1] if len(tensors) == 2 else None, freqs, _angles_shared(freqs, interleaved),
-            cu_seqlens, start_positions, tensor_format, interleaved, backward)
+    _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions, cp_size, cp_rank)
+    args = (tensors[0], tensors[1] if len(tensors) == 2 else None, None, freqs, None, _angles_shared(freqs, interleaved),
+            None, cu_seqlens, start_positions, tensor_format, interleaved, backward, cp_size, cp_rank, 0)
     if backward:
         return tuple(_rope(*args))
-    if freqs.requires_grad and torch.is_grad_enabled():
-        raise ValueError("freqs requires grad, but no gradient flows to the angle table here (as in "
-                         "TransformerEngine's fused RoPE); pass freqs.detach()")
+    _refuse_grad_to(freqs, "freqs")
     return _ApplyRoPE.apply(*args)
+
+
+def _refuse_grad_to(freqs, name):  # no silent loss of a gradient
+    if freqs.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} requires grad, but no gradient flows to the angle table here (as in "
+                         f"TransformerEngine's fused RoPE); pass {name}.detach()")
 
 
 def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
                          fused=True, cu_seqlens=None, cp_size=1, cp_rank=0):
     """Differentiable RoPE; TransformerEngine's ``apply_rotary_pos_emb`` arguments, in its order.
 
-    t: [s, b, h, d] (sbhd) | [b, s, h, d] (bshd) | [total_tokens, h, d] (thd); fp32, fp16, bf16
-        (fp64 for gradcheck), any strides, d <= 256.
-    freqs: float32 angles [s2, 1, 1, d2], d2 even, d2 <= d. Only t[..., :d2] is rotated. No
-        gradient flows to freqs: a freqs that requires grad is refused (pass freqs.detach()).
+    t: [s, b, h, d] (sbhd) | [b, s, h, d] (bshd) | [total_tokens, h, d] (thd); fp32, fp16, bf16 (fp64 for gradcheck),
+        any strides, d <= 256.
+    freqs: float32 angles [s2, 1, 1, d2], d2 even, d2 <= d. Only t[..., :d2] is rotated. No gradient flows to freqs:
+        one that requires grad is refused (pass freqs.detach()).
     start_positions: int [b]: sequence i uses angle rows start_positions[i] onwards.
     interleaved: rotate pairs (x0, x1), (x2, x3), ... (RoFormer, GPT-J) instead of halves.
     fused: accepted for TE compatibility and ignored: this is always one fused kernel.
-    cu_seqlens: int32 [b + 1], thd only. cp_size, cp_rank: context parallelism is not supported
-        (cp_size must be 1).
-    Returns a new tensor like t. Works under torch.compile(fullgraph=True) and autocast.
+    cu_seqlens: int32 [b + 1], thd only; with cp_size > 1 the full sequences' offsets (lengths multiples of 2 cp_size).
+    cp_size, cp_rank: context parallelism: t holds rank cp_rank's two chunks of each sequence (see above).
+    Returns a new contiguous tensor shaped like t. Works under torch.compile(fullgraph=True) and autocast.
     """
-    if cp_size != 1 or cp_rank != 0:
-        raise ValueError(f"context parallelism is not supported: cp_size must be 1 and cp_rank 0, got {cp_size}, {cp_rank}")
-    return _apply([t], ("t",), freqs, tensor_format, start_positions, interleaved, cu_seqlens)[0]
+    return _apply([t], ("t",), freqs, tensor_format, start_positions, interleaved, cu_seqlens, False, cp_size,
+                  cp_rank)[0]
 
 
-def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=None, interleaved=False, cu_seqlens=None):
-    """``apply_rotary_pos_emb`` on q and k in one launch each way; k may have fewer heads (GQA).
-    Returns (q_out, k_out)."""
-    return _apply([q, k], ("q", "k"), freqs, tensor_format, start_positions, interleaved, cu_seqlens)
+def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
+                            cu_seqlens=None, cp_size=1, cp_rank=0):
+    """``apply_rotary_pos_emb`` on q and k in one launch each way; k may have fewer heads (GQA). Returns (q, k)."""
+    return _apply([q, k], ("q", "k"), freqs, tensor_format, start_positions, interleaved, cu_seqlens, False, cp_size,
+                  cp_rank)
+
+
+def apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd",
+                                   start_positions=None, interleaved=False, cu_seqlens=None, cp_size=1, cp_rank=0):
+    """TransformerEngine's ``apply_fused_qkv_rotary_pos_emb``: RoPE of q and k straight out of a fused projection.
+
+    qkv: [s, b, h, q_width + 2 d] (sbhd) | [b, s, h, q_width + 2 d] (bshd), any strides; each of the h groups holds
+        q_width / d q heads, one k head and one v head (Megatron's GQA layout). qkv_split_arg_list: [q_width, d, d].
+    q_freqs, k_freqs: float32 angle tables [s2, 1, 1, d2] of one shape. cu_seqlens: None (no thd, as in TE).
+    Returns contiguous q [s, b, h q_width / d, d], k and v [s, b, h, d] (bshd: [b, s, ...]); one launch each way.
+    """
+    if tensor_format not in ("sbhd", "bshd") or cu_seqlens is not None:
+        raise ValueError(f"fused QKV takes tensor_format 'sbhd' or 'bshd' and cu_seqlens=None, got {tensor_format!r}")
+    split = list(qkv_split_arg_list) if isinstance(qkv_split_arg_list, (list, tuple)) else []
+    if len(split) != 3 or not all(type(w) is int and w > 0 for w in split) or split[2] != split[1] or split[0] % split[2]:
+        raise ValueError(f"qkv_split_arg_list must be [q_width, d, d], q_width a multiple of d, got {qkv_split_arg_list!r}")
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[-1] != sum(split):
+        raise ValueError(f"qkv must be a 4-dim tensor whose last dim is {sum(split)}, the sum of qkv_split_arg_list")
+    _check([qkv[..., split[0]:split[0] + split[1]]], ("qkv",), q_freqs, tensor_format, None, start_positions,
+           cp_size, cp_rank)
+    if not isinstance(k_freqs, torch.Tensor) or (k_freqs.shape, k_freqs.dtype, k_freqs.device) != (
+            q_freqs.shape, q_freqs.dtype, q_freqs.device):
+        raise ValueError("k_freqs must be a tensor of q_freqs' shape, dtype and device")
+    _refuse_grad_to(q_freqs, "q_freqs"), _refuse_grad_to(k_freqs, "k_freqs")
+    return _ApplyRoPE.apply(qkv, None, None, q_freqs, k_freqs, _angles_shared(q_freqs, interleaved),
+                            _angles_shared(k_freqs, interleaved), None, start_positions, tensor_format, interleaved, False,
+                            cp_size, cp_rank, split[0])
 
 
 def rope_bwd(grad_out, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None, start_positions=None):
-    """The gradient of RoPE with respect to its input, given grad_out (same arguments as 02's
-    ``rope_fwd``). Returns a new tensor like grad_out."""
+    """RoPE's gradient with respect to its input, given grad_out (02's ``rope_fwd`` arguments); a new tensor."""
     return _apply([grad_out], ("grad_out",), freqs, tensor_format, start_positions, interleaved, cu_seqlens, True)[0]
 
 
 def rope_bwd_qk(grad_q, grad_k, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None, start_positions=None):
-    """``rope_bwd`` for q's and k's gradients in one launch. Returns (grad_q_in, grad_k_in)."""
+    """``rope_bwd`` for q's and k's gradients in one launch; returns (grad_q_in, grad_k_in)."""
     return _apply([grad_q, grad_k], ("grad_q", "grad_k"), freqs, tensor_format, start_positions, interleaved,
                   cu_seqlens, True)
 
@@ -522,148 +619,132 @@ def rope_bwd_qk(grad_q, grad_k, freqs, tensor_format="sbhd", interleaved=False, 
 # %%
 # Unit test
 # ---------
-# Gradients of every layout, both pairings, partial rotary, arbitrary angles (halves differ), strided views and
-# GQA, against autograd through the reference. tests/test_03_rope_bwd.py covers the whole matrix, gradcheck in
-# float64, torch.compile and a model-level check.
+# Gradients of every layout, both pairings, partial rotary, arbitrary angles (halves differ), strided views, GQA
+# and fused QKV, against autograd through the reference. tests/test_03_rope_bwd.py covers the whole matrix,
+# context parallelism, gradcheck in float64, torch.compile and a model-level check.
 
 
-def _self_check_inputs(fmt, dtype, b, s, h, d):
-    qkv = torch.randn(b, s, 3, h, d, device=DEVICE, dtype=dtype)
-    q, k = qkv[:, :, 0], qkv[:, :, 1, :2]  # strided views; k has fewer heads
-    kwargs = dict(tensor_format=fmt, start_positions=torch.randint(0, 5, (b,), device=DEVICE))
-    if fmt == "sbhd":
-        q, k = q.transpose(0, 1), k.transpose(0, 1)
-    elif fmt == "thd":
-        q, k = q.flatten(0, 1), k.flatten(0, 1)
-        cu = [0] + [1 + i * s for i in range(b - 1)] + [b * s]  # uneven lengths, one of length 1
-        kwargs["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
-    return q.detach().requires_grad_(), k.detach().requires_grad_(), kwargs
+def _assert_matches(outs, refs, inputs):  # values, and gradients with respect to inputs
+    grads = [torch.randn_like(y) for y in outs]
+    for got, want in zip(outs + torch.autograd.grad(outs, inputs, grads), refs + torch.autograd.grad(refs, inputs, grads)):
+        torch.testing.assert_close(got, want)
 
 
 def self_check():
     torch.manual_seed(0)
-    b, s, h, d = (3, 37, 5, 80) if DEVICE.type == "cuda" else (2, 7, 3, 80)
+    b, s, h, d = (3, 36, 5, 80) if DEVICE.type == "cuda" else (2, 8, 3, 80)
+    cu = torch.tensor([0] + [1 + i * s for i in range(b - 1)] + [b * s], dtype=torch.int32, device=DEVICE)  # one of length 1
     for dtype, fmt, interleaved in itertools.product((torch.float32, torch.bfloat16), TENSOR_FORMATS, (False, True)):
-        q, k, kwargs = _self_check_inputs(fmt, dtype, b, s, h, d)
+        x = torch.randn(b, s, 3, h, d, device=DEVICE, dtype=dtype)
+        q, k = (y.transpose(0, 1) if fmt == "sbhd" else y.flatten(0, 1) if fmt == "thd" else y
+                for y in (x[:, :, 0], x[:, :, 1, :2]))  # strided views; k has fewer heads
+        q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+        kw = dict(tensor_format=fmt, start_positions=torch.randint(0, 5, (b,), device=DEVICE), interleaved=interleaved,
+                  cu_seqlens=cu if fmt == "thd" else None)
         freqs = torch.randn(2 * b * s, 1, 1, 48, device=DEVICE)  # partial rotary, halves differ
-        outs = apply_rotary_pos_emb_qk(q, k, freqs, interleaved=interleaved, **kwargs)
-        grads = [torch.randn_like(y) for y in outs]
-        for x, y, dy, dx in zip((q, k), outs, grads, torch.autograd.grad(outs, (q, k), grads)):
-            ref = rope_reference(x, freqs, interleaved=interleaved, **kwargs)
-            torch.testing.assert_close(y, ref)
-            torch.testing.assert_close(dx, torch.autograd.grad(ref, x, dy)[0])
+        refs = tuple(rope_reference(y, freqs, **kw) for y in (q, k))
+        _assert_matches(apply_rotary_pos_emb_qk(q, k, freqs, **kw), refs, (q, k))
+        if fmt != "thd":  # fused QKV, 2 q heads a group
+            qkv = torch.randn(*q.shape[:2], 2, 4 * d, device=DEVICE, dtype=dtype, requires_grad=True)
+            q_in, k_in, v_in = qkv.split([2 * d, d, d], dim=-1)
+            refs = (rope_reference(q_in.reshape(*q.shape[:2], 4, d), freqs, **kw), rope_reference(k_in, freqs / 3, **kw),
+                    v_in)
+            _assert_matches(apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs / 3, [2 * d, d, d], **kw), refs, (qkv,))
     print(f"self-check passed: forward and gradients, fp32/bf16 x sbhd/bshd/thd x half/interleaved, d={d}, d2=48, "
-          f"GQA, strided views, start_positions (device: {DEVICE.type})")
+          f"GQA, strided views, start_positions, fused QKV (device: {DEVICE.type})")
 
 
 # %%
 # Benchmark
 # ---------
-# What is timed, as the results page says it ("eager call" shows why eager calls bypass the op):
-TIMED = ("bf16 q and k at 02's shapes, bshd. Backward alone: ours, directly and through the registered op (as "
-         "compiled code calls it); autograd's backward of one kept forward of ours under torch.compile(fullgraph=True), "
-         "of the eager formula, of torch.compile of it; Liger's (in place) if installed. Forward + backward: a "
-         "fresh forward, then the gradients of q and k. Time per call: median of `triton.testing.do_bench_cudagraph` "
-         "(GPU time) or, in columns \"eager call\", of `triton.testing.do_bench` over 10 back-to-back calls (host cost "
-         "included). (x%): speed as a fraction of a device-to-device copy of the same bytes (fwd+bwd: two), same run.")
+# Ours three ways (GPU time, an eager call, compiled) and TE's unfused formula, eager and compiled, against a copy of
+# the bytes that must move; fused QKV against the three calls it replaces (results/03_rope_bwd_H100.md).
 BENCH_SHAPES = [(4, 4096, 32, 128), (32, 512, 12, 64), (1, 32768, 8, 128)]  # (b, s, h, d)
+TIMED = ("bf16, bshd. Fused QKV: qkv [b, s, h / 4, 6 d], 4 q heads a group; \"three calls\": split, q copied out as "
+         "[b, s, h, d], q and k rotated by `apply_rotary_pos_emb`, autograd concatenating the gradients. eager, "
+         "torch.compile: TE's unfused formula; compiled: per shape, fullgraph. A cell: the median GPU time of "
+         "`do_bench_cudagraph`, or (\"eager call\") of `do_bench` over ten calls in a row, per call, host cost included; "
+         "(x%): the speed as a fraction of a copy of the bytes that must move (forward + backward: twice), same run.")
 
 
-def _time_ms(fn, eager_call):
+def _us(fn, eager_call=False):  # as 02's: ten eager calls timed as one, so that L2 clearing cannot hide host cost
     if DEVICE.type != "cuda":
         start = time.perf_counter()
         fn()
-        return (time.perf_counter() - start) * 1e3
+        return (time.perf_counter() - start) * 1e6
     if eager_call:
-        return triton.testing.do_bench(lambda: [fn() for _ in range(10)], return_mode="median") / 10
-    return triton.testing.do_bench_cudagraph(fn, return_mode="median")
+        return triton.testing.do_bench(lambda: [fn() for _ in range(10)], return_mode="median") * 100
+    return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
 
 
-def _eager_qk(q, k, freqs, tensor_format):  # TransformerEngine's unfused formula
-    return tuple(rope_reference(x, freqs, tensor_format, compute_dtype=None) for x in (q, k))
+def _tables(b, s, h, d, peers):
+    """{table: {column: fn}} at one shape, each table's copy first."""
+    freqs, bf16, split = rope_freqs(s, d, device=DEVICE), dict(device=DEVICE, dtype=torch.bfloat16), [4 * d, d, d]
+    q, k, qkv = (torch.randn(b, s, n, w, **bf16, requires_grad=True) for n, w in ((h, d), (h, d), (h // 4, 6 * d)))
+    dq, dk, dkv = (torch.randn(b, s, n, d, **bf16) for n in (h, h, h // 4))  # dkv: dk and dv of fused QKV
+    grad = lambda f, x, dx: lambda: torch.autograd.grad(f(*x), x, dx)  # noqa: E731
+    fused = lambda x: apply_fused_qkv_rotary_pos_emb(x, freqs, freqs, split, "bshd")  # noqa: E731
+
+    def three_calls(x):  # split, q copied out as [b, s, h, d], two rotations; autograd concatenates the gradients
+        q_in, k_in, v_in = x.split(split, dim=-1)
+        return (*(apply_rotary_pos_emb(y, freqs, "bshd") for y in (q_in.reshape(b, s, h, d), k_in)), v_in)
+
+    copy = lambda n, times=1: functools.partial(  # noqa: E731: a device-to-device copy of n elements, times in a row
+        lambda src, dst: [dst.copy_(src) for _ in range(times)], *torch.randn(2, n, **bf16))
+    ours, shared = functools.partial(rope_bwd_qk, dq, dk, freqs, "bshd"), _angles_shared(freqs, False)
+    qkv_fns = {"fused": fused, "fused, eager call": fused, "three calls": three_calls}
+    qkv_fns.update({"fused, compiled": torch.compile(fused, fullgraph=True, dynamic=False)} if DEVICE.type == "cuda" else {})
+    return {"q and k, backward": {"copy": copy(2 * q.numel()), "ours": ours, "ours, eager call": ours},
+            "q and k, forward + backward": {"copy x2": copy(2 * q.numel(), 2), **{
+                n: grad(lambda q, k, f=f: f(q, k, freqs, "bshd"), (q, k), (dq, dk)) for n, f in peers.items()}},
+            "fused QKV, forward": {"copy": copy(qkv.numel()), **{n: functools.partial(f, qkv) for n, f in qkv_fns.items()}},
+            "fused QKV, backward": {"copy": copy(qkv.numel()), "fused": functools.partial(
+                _rope, dq, dkv, dkv, freqs, freqs, shared, shared, None, None, "bshd", False, True, 1, 0, 4 * d)},
+            "fused QKV, forward + backward": {"copy x2": copy(qkv.numel(), 2), **{
+                n: grad(f, (qkv,), (dq, dkv, dkv)) for n, f in qkv_fns.items()}}}
 
 
-def _providers(q, k, freqs, liger, compiled):
-    """{mode: {name: fn}} for mode 'backward' and 'fwd+bwd', the copy first."""
-    q, k, dq, dk = q.detach().requires_grad_(), k.detach().requires_grad_(), torch.randn_like(q), torch.randn_like(k)
-    src, dst = (torch.randn(q.numel() + k.numel(), device=DEVICE, dtype=q.dtype) for _ in range(2))
-    grad = lambda outs, **kw: torch.autograd.grad(outs, (q, k), (dq, dk), **kw)  # noqa: E731
-    ours = lambda: rope_bwd_qk(dq, dk, freqs, "bshd")  # noqa: E731
-    op_args = (_angles_shared(freqs, False), None, None, "bshd", False, True)
-    backward = {"copy": lambda: dst.copy_(src), "ours": ours, "ours, eager call": ours,
-                "ours via the op, eager call": lambda: rope_op(dq, dk, freqs, *op_args)}
-    fwd = {"ours": apply_rotary_pos_emb_qk, "ours, eager call": apply_rotary_pos_emb_qk, **compiled, "eager": _eager_qk}
-    # A backward runs on its forward's stream, and do_bench_cudagraph captures on torch.cuda.graph's side
-    # stream: the forwards kept for "backward alone" are made on that stream.
-    with torch.cuda.stream(torch.cuda.graph(torch.cuda.CUDAGraph()).capture_stream if DEVICE.type == "cuda" else None):
-        backward.update({name: lambda outs=f(q, k, freqs, "bshd"): grad(outs, retain_graph=True)
-                         for name, f in fwd.items() if name not in backward})
-    both = {"copy x2": lambda: (dst.copy_(src), src.copy_(dst))}
-    both.update({name: lambda f=f: grad(f(q, k, freqs, "bshd")) for name, f in fwd.items()})
-    if liger is not None:  # [b, h, s, d] views of bshd memory; bf16 [1, s, d] tables
-        angles = freqs[: q.shape[1], 0, 0]
-        cos, sin = angles.cos().to(q.dtype)[None], angles.sin().to(q.dtype)[None]
-        g_q, g_k = dq.transpose(1, 2).clone(), dk.transpose(1, 2).clone()
-        backward["liger (in place)"] = lambda: liger.rope_backward(g_q, g_k, cos, sin)
-        both["liger"] = lambda: torch.autograd.grad(liger.LigerRopeFunction.apply(
-            q.transpose(1, 2), k.transpose(1, 2), cos, sin), (q, k), (dq.transpose(1, 2), dk.transpose(1, 2)))
-    return {"backward": backward, "fwd+bwd": both}
-
-
-def benchmark():
-    """{(shape, mode): {provider: ms}}."""
-    liger, compiled, results = None, {}, {}
+def benchmark():  # {table: Markdown lines}, printed as measured
+    eager = lambda q, k, f, fmt: [rope_reference(x, f, fmt, compute_dtype=None) for x in (q, k)]  # noqa: E731 (TE's)
+    pages, peers = {}, {"ours": apply_rotary_pos_emb_qk, "ours, eager call": apply_rotary_pos_emb_qk, "eager": eager}
     if DEVICE.type != "cuda":
         print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
               "show that the benchmark runs; they say nothing about speed.")
     else:
-        try:
-            import liger_kernel.ops.rope as liger
-        except ImportError as e:
-            print(f"(Liger-Kernel not installed, its rows are skipped: {e})")
-        torch._dynamo.config.cache_size_limit = 64  # a graph per shape and mode
-        torch._functorch.config.donated_buffer = False  # "backward alone" runs one compiled backward many times
-        compiled = {"ours, compiled": torch.compile(apply_rotary_pos_emb_qk, fullgraph=True, dynamic=False),
-                    "torch.compile": torch.compile(_eager_qk, dynamic=False)}  # per shape, as 02's
-    for b, s, h, d in BENCH_SHAPES if DEVICE.type == "cuda" else [(2, 8, 2, 64)]:
-        freqs = rope_freqs(s, d, device=DEVICE)
-        q, k = (torch.randn(b, s, h, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
-        gbytes = 2 * (q.numel() + k.numel()) * q.element_size() / 1e9  # one read + one write of q and k
-        for mode, fns in _providers(q, k, freqs, liger, compiled).items():
-            times = results[(b, s, h, d), mode] = {n: _time_ms(f, "eager call" in n) for n, f in fns.items()}
-            for name, ms in times.items():  # fwd+bwd moves the bytes twice
-                gbps, pct = gbytes * len(mode.split("+")) / ms * 1e3, 100 * next(iter(times.values())) / ms
-                print(f"{str((b, s, h, d)):>20} {mode:>8} {name:>27} {ms * 1e3:9.1f} us {gbps:7.0f} GB/s {pct:6.1f}% of copy")
-    return results
+        torch._dynamo.config.cache_size_limit = 64  # a graph per shape (dynamic=False), as 02's
+        peers.update({"ours, compiled": torch.compile(apply_rotary_pos_emb_qk, fullgraph=True, dynamic=False),
+                      "torch.compile": torch.compile(eager, dynamic=False)})
+    for shape in BENCH_SHAPES if DEVICE.type == "cuda" else [(2, 8, 4, 64)]:
+        for table, fns in _tables(*shape, peers).items():
+            us = {name: _us(fn, "eager call" in name) for name, fn in fns.items()}
+            lines = pages.setdefault(table, [f"| shape (b, s, h, d) | {' | '.join(us)} |", "|---" * (len(us) + 1) + "|"])
+            copy_us = next(iter(us.values()))  # the copy's time over each time: the fraction of a copy's speed
+            lines.append(f"| {shape} | " + " | ".join(f"{t:.1f} us ({100 * copy_us / t:.0f}%)" for t in us.values()) + " |")
+            print(f"{table}: {lines[-1]}")
+    return pages
 
 
-def save_results(results, results_dir):
-    """results/03_rope_bwd_<GPU kind>.md; the run's stdout, teed beside it as .log, is the raw log."""
-    gpu, here = torch.cuda.get_device_name(), pathlib.Path(__file__).resolve()
-    name = "03_rope_bwd_" + next((w for w in gpu.split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
-    commit = subprocess.run("git rev-parse --short HEAD", shell=True, cwd=here.parent, capture_output=True, text=True)
-    page = [f"# RoPE backward, q and k (bshd)\n\ndevice: {gpu}; date: {datetime.date.today()}; torch {torch.__version__}; "
-            f"triton {triton.__version__}; python {platform.python_version()}; commit {commit.stdout.strip() or 'n/a'}; "
-            f"{here.name} md5 {hashlib.md5(here.read_bytes()).hexdigest()[:8]}", f"Command: `python {' '.join(sys.argv)}`",
-            TIMED]
-    for mode, title in (("backward", "Backward alone"), ("fwd+bwd", "Forward + backward")):
-        times = {shape: t for (shape, m), t in results.items() if m == mode}
-        names = list(next(iter(times.values())))
-        rows = [["shape (b, s, h, d)", *names], ["---"] * (1 + len(names))] + [[str(shape)] + [
-            f"{t[n] * 1e3:.1f} us ({100 * t[names[0]] / t[n]:.0f}%)" for n in names] for shape, t in times.items()]
-        page.append(f"## {title}\n\n" + "\n".join("| " + " | ".join(row) + " |" for row in rows))
-    page = "\n\n".join(page + [f"Raw log: `{name}.log`\n"])
-    os.makedirs(results_dir, exist_ok=True)
-    pathlib.Path(results_dir, name + ".md").write_text(page)
-    print("\n" + page)
+def write_page(results_dir, pages):
+    """results/<script>_<GPU kind>.md: title, environment, command, what is timed, the tables, the raw log's name."""
+    (here, script), gpu = os.path.split(os.path.abspath(__file__)), torch.cuda.get_device_name()
+    stem = script[:-3] + "_" + next((w for w in gpu.split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
+    commit = os.popen(f'git -C "{here}" rev-parse --short HEAD 2>{os.devnull}').read().strip() or "n/a"
+    with open(os.path.join(results_dir, stem + ".md"), "w") as f:
+        f.write(f"# {__doc__.splitlines()[1]}\n\ndevice: {gpu}; date: {time.strftime('%Y-%m-%d')}; torch "
+                f"{torch.__version__}; triton {triton.__version__}; python {sys.version.split()[0]}; commit {commit}; "
+                f"{script} md5 {hashlib.md5(open(__file__, 'rb').read()).hexdigest()[:8]}\n\nCommand: `python "
+                f"{' '.join(sys.argv)}`\n\n{TIMED}\n\n")
+        f.writelines(f"## {table}\n\n" + "\n".join(lines) + "\n\n" for table, lines in pages.items())
+        f.write(f"Raw log: `{stem}.log`.\n")
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                        help="folder for the results page (written only on a GPU)")
+                        help="folder for the page (written only on a GPU)")
     args = parser.parse_args()
     self_check()
-    results = benchmark()
+    pages = benchmark()
     if DEVICE.type == "cuda":
-        save_results(results, args.results)
+        os.makedirs(args.results, exist_ok=True)
+        write_page(args.results, pages)

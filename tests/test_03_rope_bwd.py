@@ -11,7 +11,6 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 B, S, H = (3, 300, 7) if ON_GPU else (2, 9, 3)
 
 
-
 def make_inputs(fmt, d, d2, dtype, view, with_start, b=B, s=S, h=H):
     t = make_view(logical_shape(fmt, b, s, h, d), dtype, view).requires_grad_()
     max_len = b * s if fmt == "thd" else s
@@ -64,7 +63,8 @@ def test_backward_is_not_the_negated_angle_for_arbitrary_tables():
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_gradcheck_float64(fmt, interleaved):
     full = fmt == "bshd" and not interleaved  # one full Jacobian (slow in the interpreter), the rest fast
-    t, freqs, kwargs = make_inputs(fmt, 12, 8, torch.float64, "contiguous", True, b=2, s=2 if full else 3, h=1 if full else 2)
+    t, freqs, kwargs = make_inputs(fmt, 12, 8, torch.float64, "contiguous", True, b=2, s=2 if full else 3,
+                                   h=1 if full else 2)
     fn = lambda x: rope.apply_rotary_pos_emb(x, freqs, interleaved=interleaved, **kwargs)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (t,), fast_mode=not full)
     assert torch.autograd.gradgradcheck(fn, (t,), fast_mode=True)
@@ -79,13 +79,7 @@ def test_qk_one_launch_each_way_with_fewer_k_heads(fmt, k_heads, monkeypatch):
     kwargs = dict(tensor_format=fmt, interleaved=True)
     if fmt == "thd":
         kwargs["cu_seqlens"] = random_cu_seqlens(B, B * S)
-    launches = []
-    launch = rope._launch_kernel
-
-    def counting_launch(kernel, grid, *args, **kwargs):
-        launches.append(grid)
-        launch(kernel, grid, *args, **kwargs)
-    monkeypatch.setattr(rope, "_launch_kernel", counting_launch)
+    launches = count_launches(monkeypatch)
     q_out, k_out = rope.apply_rotary_pos_emb_qk(q, k, freqs, **kwargs)
     assert len(launches) == 1
     dq_out, dk_out = torch.randn_like(q_out), torch.randn_like(k_out)
@@ -98,14 +92,21 @@ def test_qk_one_launch_each_way_with_fewer_k_heads(fmt, k_heads, monkeypatch):
     torch.testing.assert_close(rope.rope_bwd_qk(dq_out, dk_out, freqs, **kwargs), (dq, dk))
 
 
+def count_launches(monkeypatch):
+    """The list that every kernel launch of 03 appends to, from now on."""
+    launches, launch = [], rope._launch
+    monkeypatch.setattr(rope, "_launch", lambda *args, **kw: (launches.append(args[1].shape), launch(*args, **kw))[1])
+    return launches
+
+
 def test_registered_op_matches_the_eager_launch():
     """Eager calls launch the kernel directly; torch.compile traces the registered op. Both the same."""
     t, freqs, kwargs = make_inputs("thd", 80, 48, torch.float32, "packed", True)
-    args = (t.detach(), None, freqs, rope._angles_shared(freqs, True), kwargs["cu_seqlens"],
+    args = (t.detach(), None, None, freqs, None, rope._angles_shared(freqs, True), None, kwargs["cu_seqlens"],
             kwargs["start_positions"], "thd", True)
     for backward in (False, True):
-        torch.testing.assert_close(rope.rope_op(*args, backward)[0], rope._rope_impl(*args, backward)[0],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(rope._rope.op(*args, backward, 1, 0, 0)[0],
+                                   rope._rope_impl(*args, backward, 1, 0, 0)[0], rtol=0, atol=0)
 
 
 class AttentionBlock(torch.nn.Module):
@@ -206,8 +207,6 @@ def test_errors():
         (lambda: rope.apply_rotary_pos_emb(t(4, 2, 3, 16).long(), f(4, 1, 1, 16)), TypeError, "t must be float32"),
         (lambda: rope.apply_rotary_pos_emb(t(4, 2, 3, 16), f(4, 1, 1, 16).half()), TypeError, "freqs must be float32"),
         (lambda: rope.apply_rotary_pos_emb(t(5, 2, 3, 16), f(4, 1, 1, 16)), ValueError, "over the 4 rows"),
-        (lambda: rope.apply_rotary_pos_emb(t(4, 2, 3, 16), f(4, 1, 1, 16), cp_size=2), ValueError,
-         "context parallelism"),
         (lambda: rope.apply_rotary_pos_emb(t(4, 2, 3, 16), f(8, 1, 1, 16), start_positions=torch.tensor(
             [0, 5], device=DEVICE)), ValueError, "positions up to 8"),
         (lambda: rope.rope_bwd(t(4, 2, 3, 16), f(4, 1, 1, 16), tensor_format="hbsd"), ValueError, "tensor_format"),
@@ -228,3 +227,132 @@ def test_backward_over_2_31_elements():
     rows = [0, t.shape[0] - 3]  # the last rows lie past 2**31 elements
     for r in rows:
         torch.testing.assert_close(dt[r:r + 3], rope.rope_reference(t[r:r + 3], -freqs[r:r + 3]))
+
+
+# Context parallelism, fused QKV, contiguous outputs: TransformerEngine's contract.
+
+def rank_tokens(fmt, cu_seqlens, s, cp_size, cp_rank):
+    """The indices (along the sequence dim; thd: the packed tokens) of what rank cp_rank holds of whole sequences:
+    chunks cp_rank and 2 cp_size - 1 - cp_rank of each, cut into 2 cp_size chunks."""
+    starts, lengths = ([0], [s]) if fmt != "thd" else (cu_seqlens[:-1].tolist(), cu_seqlens.diff().tolist())
+    index = []
+    for start, length in zip(starts, lengths):
+        c = length // (2 * cp_size)
+        index += [start + i * c + j for i in (cp_rank, 2 * cp_size - 1 - cp_rank) for j in range(c)]
+    return torch.tensor(index, device=DEVICE, dtype=torch.long)
+
+
+@pytest.mark.parametrize("fmt, interleaved, cp_size, with_start, dtype", all_pairs(
+    ["sbhd", "bshd", "thd"], [False, True], [2, 3], [False, True], [torch.float32, torch.bfloat16]), ids=str)
+def test_context_parallel_rank_equals_its_chunks_of_the_whole_sequence(fmt, interleaved, cp_size, with_start, dtype):
+    """Each rank's output and gradient equal that rank's chunks of the whole sequences rotated whole."""
+    s = 4 * cp_size * (3 if ON_GPU else 1)
+    t, freqs, kwargs = make_inputs(fmt, 48, 32, dtype, "contiguous", with_start, s=s)
+    if fmt == "thd":  # lengths padded to multiples of 2 cp_size, one of them empty
+        lengths = torch.randint(0, 4, (B,)) * 2 * cp_size
+        kwargs["cu_seqlens"] = torch.cat([torch.zeros(1), lengths.cumsum(0)]).to(torch.int32).to(DEVICE)
+        t = torch.randn(int(lengths.sum()), H, 48, device=DEVICE, dtype=dtype).requires_grad_()
+    whole = rope.rope_reference(t, freqs, interleaved=interleaved, **kwargs)
+    dy = torch.randn_like(whole)
+    (dt_whole,) = torch.autograd.grad(whole, t, dy)
+    seq_dim = {"sbhd": 0, "bshd": 1, "thd": 0}[fmt]
+    for cp_rank in range(cp_size):
+        index = rank_tokens(fmt, kwargs.get("cu_seqlens"), s, cp_size, cp_rank)
+        local = t.detach().index_select(seq_dim, index).requires_grad_()
+        y = rope.apply_rotary_pos_emb(local, freqs, interleaved=interleaved, cp_size=cp_size, cp_rank=cp_rank, **kwargs)
+        torch.testing.assert_close(y, whole.index_select(seq_dim, index))
+        (dt,) = torch.autograd.grad(y, local, dy.index_select(seq_dim, index))
+        torch.testing.assert_close(dt, dt_whole.index_select(seq_dim, index))
+
+
+def split_reference(qkv, q_freqs, k_freqs, split, **kwargs):
+    """TE's unfused reading of a fused qkv: split the last dim, q's part as its heads, each rotated."""
+    q, k, v = qkv.split(split, dim=-1)
+    q = q.reshape(*q.shape[:2], -1, split[1])
+    return rope.rope_reference(q, q_freqs, **kwargs), rope.rope_reference(k, k_freqs, **kwargs), v
+
+
+@pytest.mark.parametrize("fmt, interleaved, groups, d2, cp, with_start", all_pairs(
+    ["sbhd", "bshd"], [False, True], [1, 4], [48, 64], [(1, 0), (2, 1)], [False, True]), ids=str)
+def test_fused_qkv_matches_the_split_reference_in_one_launch_each_way(fmt, interleaved, groups, d2, cp, with_start,
+                                                                      monkeypatch):
+    """q, k and v out of one fused projection (Megatron's GQA layout), with their own angle tables for q and k:
+    values and qkv's gradient against rotating the split parts (a rank's chunks of them under context
+    parallelism); one launch each way, contiguous outputs."""
+    d, h, s = 64, 3, 8 * (3 if ON_GPU else 1)
+    split = [groups * d, d, d]
+    whole = make_view(logical_shape(fmt, B, s, h, sum(split)), torch.bfloat16, "permuted").requires_grad_()
+    seq_dim, index = fmt.index("s"), rank_tokens(fmt, None, s, *cp)
+    qkv = whole if cp[0] == 1 else whole.index_select(seq_dim, index)  # this rank's part
+    q_freqs, k_freqs = (torch.randn(s + 5, 1, 1, d2, device=DEVICE) for _ in range(2))
+    kwargs = dict(tensor_format=fmt, interleaved=interleaved,
+                  start_positions=torch.randint(0, 6, (B,), device=DEVICE) if with_start else None)
+    launches = count_launches(monkeypatch)
+    outs = rope.apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, split, cp_size=cp[0], cp_rank=cp[1], **kwargs)
+    assert len(launches) == 1 and all(y.is_contiguous() for y in outs)
+    assert outs[0].shape[-2:] == (h * groups, d) and outs[1].shape[-2:] == outs[2].shape[-2:] == (h, d)
+    refs = [y.index_select(seq_dim, index) for y in split_reference(whole, q_freqs, k_freqs, split, **kwargs)]
+    grads = [torch.randn_like(y) for y in outs]
+    got, want = (*outs, *torch.autograd.grad(outs, whole, grads)), (*refs, *torch.autograd.grad(refs, whole, grads))
+    for y, ref in zip(got, want):
+        torch.testing.assert_close(y, ref)
+    assert len(launches) == 2
+
+
+def test_fused_qkv_gradcheck_and_compile():
+    """float64 gradients (and double backward) by gradcheck; compiled without graph breaks, equal to eager."""
+    torch._dynamo.reset()
+    qkv = torch.randn(3, 2, 2, 4 * 8, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    q_freqs, k_freqs = torch.randn(6, 1, 1, 4, device=DEVICE), torch.randn(6, 1, 1, 4, device=DEVICE)
+    fn = lambda x: rope.apply_fused_qkv_rotary_pos_emb(x, q_freqs, k_freqs, [16, 8, 8], "bshd")  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (qkv,), fast_mode=True)
+    assert torch.autograd.gradgradcheck(fn, (qkv,), fast_mode=True)
+    x = qkv.detach().float().requires_grad_()
+    compiled = torch.compile(fn, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    outs, outs_eager = compiled(x), fn(x)
+    grads = [torch.randn_like(y) for y in outs]
+    for got, want in zip(outs + torch.autograd.grad(outs, x, grads), outs_eager + torch.autograd.grad(outs_eager, x, grads)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("transpose", [(0, 1), (2, 3)])
+def test_outputs_are_contiguous_whatever_the_input_strides(transpose):
+    """As TransformerEngine's: a caller may .view() the result."""
+    freqs = torch.randn(8, 1, 1, 16, device=DEVICE)
+    t = torch.randn(8, 2, 3, 16, device=DEVICE).transpose(*transpose).contiguous().transpose(*transpose)
+    t.requires_grad_()
+    y = rope.apply_rotary_pos_emb(t, freqs)
+    (dt,) = torch.autograd.grad(y, t, torch.randn_like(y).transpose(*transpose).contiguous().transpose(*transpose))
+    rope02 = load("02_rope_fwd.py")
+    assert y.is_contiguous() and dt.is_contiguous() and rope.rope_bwd(t.detach(), freqs).is_contiguous()
+    assert rope02.rope_fwd(t.detach(), freqs).is_contiguous()
+    torch.testing.assert_close(y, rope.rope_reference(t, freqs))
+
+
+def test_context_parallel_and_fused_qkv_errors():
+    t = lambda *shape: torch.randn(*shape, device=DEVICE)  # noqa: E731
+    cu = lambda *v: torch.tensor(v, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    qkv_fn = rope.apply_fused_qkv_rotary_pos_emb
+    cases = [
+        (lambda: rope.apply_rotary_pos_emb(t(4, 2, 3, 16), t(8, 1, 1, 16), cp_size=2, cp_rank=2), "cp_rank"),
+        (lambda: rope.apply_rotary_pos_emb(t(4, 2, 3, 16), t(8, 1, 1, 16), cp_size=0), "cp_size"),
+        (lambda: rope.apply_rotary_pos_emb(t(3, 2, 3, 16), t(8, 1, 1, 16), cp_size=2, cp_rank=1), "must be even"),
+        (lambda: rope.apply_rotary_pos_emb(t(4, 2, 3, 16), t(7, 1, 1, 16), cp_size=2), "times cp_size"),
+        (lambda: rope.apply_rotary_pos_emb(t(4, 2, 3, 16), t(8, 1, 1, 16), "sbhd", torch.tensor([0, 1], device=DEVICE),
+                                           cp_size=2), "positions up to 8"),
+        (lambda: rope.apply_rotary_pos_emb(t(6, 3, 16), t(12, 1, 1, 16), "thd", cu_seqlens=cu(0, 6, 12), cp_size=2),
+         r"multiples of 2 \* cp_size"),
+        (lambda: rope.apply_rotary_pos_emb(t(6, 3, 16), t(12, 1, 1, 16), "thd", cu_seqlens=cu(0, 4, 8), cp_size=2),
+         "times cp_size"),
+        (lambda: qkv_fn(t(4, 2, 2, 48), t(4, 1, 1, 16), t(4, 1, 1, 16), [16, 16, 8]), "qkv_split_arg_list"),
+        (lambda: qkv_fn(t(4, 2, 2, 48), t(4, 1, 1, 16), t(4, 1, 1, 16), [20, 14, 14]), "qkv_split_arg_list"),
+        (lambda: qkv_fn(t(4, 2, 2, 48), t(4, 1, 1, 16), t(4, 1, 1, 16), [16, 16, 16, 0]), "qkv_split_arg_list"),
+        (lambda: qkv_fn(t(4, 2, 2, 40), t(4, 1, 1, 16), t(4, 1, 1, 16), [16, 16, 16]), "sum of qkv_split_arg_list"),
+        (lambda: qkv_fn(t(4, 2, 2, 48), t(4, 1, 1, 16), t(5, 1, 1, 16), [16, 16, 16]), "k_freqs"),
+        (lambda: qkv_fn(t(8, 3, 48), t(4, 1, 1, 16), t(4, 1, 1, 16), [16, 16, 16], "thd"), "sbhd' or 'bshd"),
+        (lambda: qkv_fn(t(4, 2, 2, 48), t(4, 1, 1, 16), t(4, 1, 1, 16), [16, 16, 16], cp_size=2, cp_rank=1),
+         "over the 4 rows"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
