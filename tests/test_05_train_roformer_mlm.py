@@ -5,6 +5,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -429,6 +430,7 @@ def test_default_run_writes_logs_and_a_checkpoint(tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "baseline" in result.stdout and "held-out loss" in result.stdout and "\r" not in result.stdout
+    assert re.match(r"RoFormer MLM: \d{1,3}(,\d{3})+ parameters, attn=torch,", result.stdout)  # the count, exact
     assert {"ckpt.pt", "log.csv"} <= set(os.listdir(tmp_path))
     assert [line.split(",")[0] for line in (tmp_path / "log.csv").read_text().splitlines()] == ["step", "3", "6", "6"]
 
