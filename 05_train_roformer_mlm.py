@@ -11,9 +11,8 @@ In this tutorial, you will learn about:
 * BERT masking (15%: 80% [MASK], 10% random, 10% unchanged), the MLM head run on those positions only;
 * a nanoGPT-style loop: AdamW without decay on biases and norms, warmup then linear decay, gradient
   accumulation and clipping, bf16 autocast, durable checkpoints, an exact ``--resume``, DDP under torchrun;
-* ``--compile`` and ``--cuda-graphs`` (both on with a GPU): Inductor fuses all between the matmuls and
-  our kernels, and two CUDA graphs replay the encoder so that Python no longer paces the GPU (and the
-  trap they set for gradient accumulation).
+* ``--compile`` and ``--cuda-graphs`` (both on with a GPU): Inductor fuses all between the matmuls and our kernels,
+  and two CUDA graphs replay the encoder so that Python no longer paces the GPU (and their trap for accumulation).
 
 Run ``python 05_train_roformer_mlm.py`` (a small model on the standard library's source); it loads 01-04 from beside it.
 """
@@ -27,10 +26,10 @@ import importlib.util
 import itertools
 import json
 import os
-import pickle
 import statistics
 import sys
 import sysconfig
+import tempfile
 import time
 
 import torch
@@ -57,44 +56,73 @@ ATTN_PATHS = ("torch", "naive", "triton", "fused")
 VOCAB, PAD, CLS, SEP, MASK = 260, 256, 257, 258, 259  # the tokens: the 256 bytes, then [PAD] [CLS] [SEP] [MASK]
 
 # %%
-# Settings: a small model that trains in minutes is the default (a tiny one on a CPU)
-# ----------------------------------------------------------------------------------
+# Settings: a small model that trains in minutes is the default (a tiny one on a CPU), every value checked
+# --------------------------------------------------------------------------------------------------------
 
 
 def parse_args(argv=None):
-    on_gpu = torch.cuda.is_available()
+    """The settings, checked here before any work: a bad one ends the run with one line naming it."""
     p = argparse.ArgumentParser(description="Pretrain a RoFormer masked LM on the collection's kernels.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add = p.add_argument
-    add("--attn", choices=ATTN_PATHS, default="fused" if on_gpu else "torch", help="kernel paths: slow on a CPU")
-    add("--data", help="a text file, or None for the Python standard library's source")
-    add("--out", default="out-roformer", help="folder for checkpoints and logs")
+    p.error, add, on_gpu = sys.exit, p.add_argument, torch.cuda.is_available()  # argparse's errors: one line too
+    add("--attn", choices=ATTN_PATHS, default="fused" if on_gpu else "torch",
+        help="RoPE + attention; fused with a GPU (on a CPU the kernel paths run in Triton's interpreter: slowly)")
+    add("--data", help="a text file (its bytes are the tokens); None: the Python standard library's source")
+    add("--out", default="out-roformer", help="folder for one run's checkpoints and logs")
     add("--init-from", help="a Hugging Face RoFormer checkpoint directory")
-    add("--resume", action="store_true", help="continue from --out/ckpt.pt (or ckpt-prev.pt, if ckpt.pt is unreadable)")
-    for name, gpu, cpu in (("seq-len", 512, 64), ("batch-size", 32, 4), ("grad-accum", 1, 1), ("layers", 6, 2),
-                           ("hidden", 512, 64), ("heads", 8, 2), ("max-steps", 2000, 30), ("warmup", 100, 5),
-                           ("log-interval", 20, 5), ("eval-interval", 200, 10), ("eval-batches", 20, 2),
-                           ("ckpt-interval", 500, 10), ("seed", 1337, 1337), ("bench-steps", 20, 1),
-                           ("bench-rounds", 2, 1)):
-        add("--" + name, type=int, default=gpu if on_gpu else cpu)
-    for name, default in (("lr", 5e-4), ("weight-decay", 0.01), ("clip", 1.0), ("mask-prob", 0.15)):
-        add("--" + name, type=float, default=default)
-    add("--stop-after", type=int, default=0, help="stop (with a checkpoint) after this many steps; --resume goes on")
+    add("--resume", action="store_true", help="continue the run in --out (from ckpt.pt, or ckpt-prev.pt if need be)")
     add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model (None: with a GPU)")
     add("--cuda-graphs", action=argparse.BooleanOptionalAction, help="replay the encoder (None: GPU without torchrun)")
     add("--bench", action="store_true", help="time training steps at BERT-base's shape, then exit")
     add("--bench-paths", metavar="P,Q", help="--bench only these, e.g. fused+compile+graphs,hf+compile")
+    numbers = (  # flag, default with a GPU, without one, the values allowed
+        ("seq-len", 512, 64, "v >= 8"), ("batch-size", 32, 4, "v >= 1"), ("grad-accum", 1, 1, "v >= 1"),
+        ("layers", 6, 2, "v >= 1"), ("hidden", 512, 64, "v >= 2"), ("heads", 8, 2, "v >= 1"),
+        ("max-steps", 2000, 30, "v >= 1"), ("warmup", 100, 5, "v >= 0"), ("log-interval", 20, 5, "v >= 1"),
+        ("eval-interval", 200, 10, "v >= 1"), ("eval-batches", 20, 2, "v >= 1"), ("ckpt-interval", 500, 10, "v >= 1"),
+        ("stop-after", 0, 0, "v >= 0"), ("seed", 1337, 1337, "v >= 0"), ("bench-steps", 20, 1, "v >= 1"),
+        ("bench-rounds", 2, 1, "v >= 1"), ("lr", 5e-4, 5e-4, "0 < v < inf"), ("clip", 1.0, 1.0, "0 < v < inf"),
+        ("weight-decay", 0.01, 0.01, "0 <= v < inf"), ("mask-prob", 0.15, 0.15, "0 < v <= 1"))
+    for name, gpu, cpu, rule in numbers:
+        add("--" + name, type=type(gpu), default=gpu if on_gpu else cpu, help=rule + f"; {gpu} on a GPU" * (gpu != cpu)
+            + "; stop after this many steps, with a checkpoint (0: never)" * (name == "stop-after"))
     args = p.parse_args(argv)
-    if args.seq_len < 8:
-        p.error(f"--seq-len must be at least 8, got {args.seq_len}")
-    if args.hidden % args.heads:
-        p.error(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
-    if args.cuda_graphs and not on_gpu:
-        p.error("--cuda-graphs needs a GPU (CUDA graphs); this machine has none")
-    if args.data is not None and not os.path.isfile(args.data):
-        p.error(f"--data {args.data}: no such file")
+    for name, *_, rule in numbers:
+        if not eval(rule, {"v": (v := getattr(args, name.replace("-", "_"))), "inf": float("inf")}):  # NaN fails too
+            sys.exit(f"--{name} must satisfy {rule}, got {v}")
+    head = next(documents(args.data), None) if args.data and os.path.isfile(args.data) else b"-"  # its first MiB
+    binary = (head.count(0) + head.decode("utf-8", "replace").count("\ufffd")) / len(head) if head else 0.0
+    cfg = hf_config(args.init_from) if args.init_from else RoFormerConfig(
+        VOCAB, args.hidden, args.layers, args.heads, 4 * args.hidden)
+    paths = [m + mode for m in ATTN_PATHS + ("hf",) for mode in ("", "+compile", "+graphs", "+compile+graphs")
+             if (on_gpu and m != "hf") or "graphs" not in mode]  # --bench: each path eager, compiled, graphed and both
+    d, unknown = cfg.hidden_size // cfg.num_attention_heads, {*(args.bench_paths or "").split(",")} - {"", *paths}
+    for bad, why in (
+            (args.cuda_graphs and not on_gpu, "--cuda-graphs needs a GPU (CUDA graphs); this machine has none"),
+            (args.data and not os.path.isfile(args.data), f"--data {args.data}: no such file"),
+            (binary > 0.1, f"--data {args.data}: {binary:.0%} of its first MiB is NUL or not UTF-8 (binary?)"),
+            (args.hidden % (2 * args.heads), f"--hidden {args.hidden} must be a multiple of 2 x --heads {args.heads}"),
+            (args.attn == "fused" and not 16 <= d <= 128, f"--attn fused takes head dims of 16-128, not {d}"),
+            (args.seq_len > cfg.max_position_embeddings,
+             f"--seq-len {args.seq_len} is over the model's {cfg.max_position_embeddings} positions"),
+            (cfg.vocab_size < VOCAB, f"--init-from: a vocabulary of {cfg.vocab_size}, under 05's {VOCAB} tokens"),
+            (unknown, f"--bench-paths: {', '.join(sorted(unknown))} not among {', '.join(paths)}")):
+        if bad:
+            sys.exit(why)
+    args.bench_paths = [p for p in paths if not args.bench_paths or p in args.bench_paths.split(",")]
     args.compile = on_gpu if args.compile is None else args.compile
     args.cuda_graphs = on_gpu and "RANK" not in os.environ if args.cuda_graphs is None else args.cuda_graphs
+    if not args.bench:
+        try:  # found now, not at the first checkpoint
+            os.makedirs(args.out, exist_ok=True)
+            tempfile.TemporaryFile(dir=args.out).close()
+        except OSError as e:
+            sys.exit(f"--out {args.out}: not writable ({e.strerror or e})")
+        run = [f for f in ("ckpt.pt", "ckpt-prev.pt", "log.csv") if os.path.exists(os.path.join(args.out, f))]
+        if run and not args.resume:
+            sys.exit(f"--out {args.out} holds a run ({', '.join(run)}): go on with --resume, or choose another --out")
+        args.checkpoint = args.resume and read_checkpoint(args, dataclasses.asdict(cfg))  # read once
+    args.config = cfg  # train() takes it and the checkpoint
     return args
 
 
@@ -114,7 +142,7 @@ class RoFormerConfig:
     num_attention_heads: int = 4
     intermediate_size: int = 1024
     embedding_size: int = 0  # 0: the hidden size (no projection)
-    max_position_embeddings: int = 1536
+    max_position_embeddings: int = 1536  # RoFormer's (an angle table, no weights)
     type_vocab_size: int = 2
     hidden_dropout_prob: float = 0.1
     layer_norm_eps: float = 1e-12
@@ -226,8 +254,6 @@ def capture_cuda_graphs(model, batch_size, seq_len, compiled=False):
 class RoFormerForMaskedLM(nn.Module):
     def __init__(self, cfg, attn="torch"):
         super().__init__()
-        if attn not in ATTN_PATHS:
-            raise ValueError(f"attn must be one of {ATTN_PATHS}, got {attn!r}")
         self.cfg, emb, self.graphed = cfg, cfg.embedding_size or cfg.hidden_size, None
         self.roformer = nn.Module()
         e = self.roformer.embeddings = nn.Module()
@@ -251,9 +277,6 @@ class RoFormerForMaskedLM(nn.Module):
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None, positions=None):
         """Logits [b, s, vocab]; with labels (-100: not masked), (loss, accuracy) of the masked positions
         (positions: masked_positions(labels), if the caller has them). attention_mask: [b, s] or None."""
-        if input_ids.shape[1] > self.cfg.max_position_embeddings:
-            raise ValueError(f"sequence length {input_ids.shape[1]} is over max_position_embeddings = "
-                             f"{self.cfg.max_position_embeddings}")
         e = self.roformer.embeddings
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         # BERT's token types as a sum of rows: their gradient is then a column sum, not an embedding
@@ -282,52 +305,54 @@ class RoFormerForMaskedLM(nn.Module):
         return F.cross_entropy(logits.float(), labels), (logits.argmax(-1) == labels).float().mean()
 
 
-def load_hf_checkpoint(path, attn):
-    """A Hugging Face RoFormer directory (config.json + model.safetensors or pytorch_model.bin)."""
-    files = {f: os.path.join(path, f) for f in ("config.json", "model.safetensors", "pytorch_model.bin")}
-    if not os.path.isfile(files["config.json"]):
-        raise FileNotFoundError(f"--init-from {path}: no config.json there")
-    with open(files["config.json"]) as f:
-        hf = json.load(f)
-    if hf.get("model_type") != "roformer":
-        raise ValueError(f"not a RoFormer checkpoint: config.json says model_type={hf.get('model_type')!r}")
-    if hf.get("rotary_value") or hf.get("is_decoder") or hf.get("hidden_act", "gelu") != "gelu":
-        raise ValueError("only encoder RoFormers with rotary_value=False and hidden_act='gelu' are supported")
+def hf_config(path):
+    """The RoFormerConfig of a Hugging Face RoFormer folder; anything wrong ends the run with one line."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:  # no folder, no file, no JSON
+        sys.exit(f"--init-from {path}: " + ("no such folder" if not os.path.isdir(path) else f"config.json: {e}"))
+    for bad, why in (
+            (hf.get("model_type") != "roformer", f"not a RoFormer (model_type {hf.get('model_type')!r})"),
+            (hf.get("rotary_value") or hf.get("is_decoder") or hf.get("hidden_act", "gelu") != "gelu",
+             "only encoder RoFormers with rotary_value=False and hidden_act='gelu' are supported"),
+            (not any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "pytorch_model.bin")),
+             "no model.safetensors or pytorch_model.bin")):
+        if bad:
+            sys.exit(f"--init-from {path}: {why}")
     fields = {f.name for f in dataclasses.fields(RoFormerConfig)}
-    model = RoFormerForMaskedLM(RoFormerConfig(**{k: v for k, v in hf.items() if k in fields and v is not None}), attn)
-    if os.path.isfile(files["model.safetensors"]):
-        from safetensors.torch import load_file  # installed with transformers
-        state = load_file(files["model.safetensors"])
-    elif os.path.isfile(files["pytorch_model.bin"]):
-        state = torch.load(files["pytorch_model.bin"], map_location="cpu", weights_only=True)
-    else:
-        raise FileNotFoundError(f"--init-from {path}: no model.safetensors or pytorch_model.bin")
+    return RoFormerConfig(**{k: v for k, v in hf.items() if k in fields and v is not None})
+
+
+def load_hf_checkpoint(path, attn):
+    model, st = RoFormerForMaskedLM(hf_config(path), attn), os.path.join(path, "model.safetensors")
+    state = (importlib.import_module("safetensors.torch").load_file(st) if os.path.isfile(st)  # with transformers
+             else torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True))
     state = {k: v for k, v in state.items() if "embed_positions" not in k}  # sinusoidal: recomputed
     state.setdefault("cls.predictions.decoder.bias", state.pop("cls.predictions.bias", None))
     state.setdefault("cls.predictions.decoder.weight", state.get("roformer.embeddings.word_embeddings.weight"))
     missing, unexpected = model.load_state_dict({k: v for k, v in state.items() if v is not None}, strict=False)
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not match RoFormerForMaskedLM: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+        sys.exit(f"--init-from {path}: the weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return model
 
 
 # %%
 # Data: text to packed, masked sequences
 # --------------------------------------
-# Bytes are the tokens. Documents (by default the Python standard library's source) stream in pieces of
-# whole lines, joined with [SEP] and cut into [CLS] + (seq_len - 2) tokens + [SEP] from one flat int32 array
+# Bytes are the tokens. Documents (by default the Python standard library's source) stream in pieces,
+# joined with [SEP] and cut into [CLS] + (seq_len - 2) tokens + [SEP] from one flat int32 array
 # (slices done in C: a Python list would be copied at every cut). Sequence i is held out if i % 50 == 0; the
 # others are dealt to the ranks in turn, and a rank's position in its stream is what a checkpoint stores.
 
 
-def documents(path, block_chars=1 << 20):
-    """Pieces of text of about block_chars characters, then None at the end of each document."""
+def documents(path, block_bytes=1 << 20):
+    """A document's bytes in pieces of block_bytes (a file that is one long line streams too), then None."""
     files = [path] if path else sorted(os.path.join(d, f) for d, _, fs in os.walk(sysconfig.get_paths()["stdlib"])
                                        for f in fs if f.endswith(".py") and "site-packages" not in d)
     for name in files:
-        with open(name, encoding="utf-8", errors="replace") as f:  # whole lines, about block_chars in all
-            yield from map("".join, iter(lambda: f.readlines(block_chars), []))
+        with open(name, "rb") as f:
+            yield from iter(lambda: f.read(block_bytes), b"")
         yield None
 
 
@@ -335,7 +360,7 @@ def sequences(data, seq_len):
     """Packed token sequences of exactly seq_len and their real lengths."""
     body, buf, cls, sep = seq_len - 2, array.array("i"), array.array("i", [CLS]), array.array("i", [SEP])
     for piece in documents(data):
-        buf.extend(piece.encode("utf-8", errors="replace") if piece is not None else [SEP])
+        buf.extend(piece if piece is not None else [SEP])
         cut = len(buf) - len(buf) % body
         for start in range(0, cut, body):
             yield cls + buf[start:start + body] + sep, seq_len
@@ -350,12 +375,10 @@ def batches(data, seq_len, batch_size, rank, world, start=0, held_out=False):
     A batch runs on across an epoch's end, so that no sequence is dropped and `start` counts them all."""
     ids, lengths = array.array("i"), []
     for _ in range(1) if held_out else itertools.count():  # held out: one pass; training: epoch after epoch
-        found = False
+        found = 0
         split = (s for i, s in enumerate(sequences(data, seq_len)) if (i % 50 == 0) == held_out)
-        for seq, n in itertools.islice(split, rank, None, world):
-            found = True
-            if start:
-                start -= 1
+        for found, (seq, n) in enumerate(itertools.islice(split, rank, None, world), 1):
+            if (start := start - 1) >= 0:  # a resumed run's first `start` sequences (over its epochs) were seen
                 continue
             ids.extend(seq)
             lengths.append(n)
@@ -364,18 +387,16 @@ def batches(data, seq_len, batch_size, rank, world, start=0, held_out=False):
                        torch.arange(seq_len)[None, :] < torch.tensor(lengths)[:, None])
                 ids, lengths = array.array("i"), []
         if not found:
-            raise ValueError(f"--data has too little text: rank {rank} of {world} gets no sequence of {seq_len} tokens")
+            sys.exit(f"--data has too little text: rank {rank} of {world} gets no sequence of {seq_len} tokens")
 
 
 def to_device(batch_tensor, device):
-    """Copied from pinned memory, as in nanoGPT: from pageable memory a copy to the GPU ends in a
-    synchronize, and the host could not queue the next step while the GPU runs this one."""
+    """Through pinned memory, as in nanoGPT: a copy from pageable memory ends in a synchronize (a host stall)."""
     return batch_tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else batch_tensor.to(device)
 
 
 def masked_positions(labels):
-    """The rows the MLM head runs on. Their number sets the shapes that follow: found on the GPU, the host
-    would wait for it, so training finds them on the host."""
+    """The MLM head's rows: their number sets the shapes that follow, so training finds them on the host."""
     return (labels.flatten() != -100).nonzero().squeeze(1)
 
 
@@ -395,20 +416,27 @@ def device_batch(ids, mask, args, generator, device):
 
 
 # %%
-# Checkpoints
-# -----------
-# Saving: a temporary file, fsynced, then ckpt.pt renamed to ckpt-prev.pt and the new one to ckpt.pt, and
+# Training
+# --------
+# Checkpoints: a temporary file, fsynced, then ckpt.pt renamed to ckpt-prev.pt and the new one to ckpt.pt, and
 # the folder fsynced: a kill at any point leaves ckpt.pt or ckpt-prev.pt whole. Loading: torch.load(
 # weights_only=True) refuses any object but tensors, numbers, strings and containers, so a checkpoint from
 # elsewhere runs no code; a readable ckpt-prev.pt stands in for a broken ckpt.pt, with a warning.
 
 
-def save_atomic(obj, path):
-    with open(path + ".tmp", "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    if os.path.exists(path):
+def save_atomic(obj, path, rotate=True):
+    """rotate=False: ckpt.pt is replaced, not kept as ckpt-prev.pt (after it failed to load)."""
+    try:
+        with open(path + ".tmp", "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:  # Ctrl-C, a full disk: no partial file is left
+        os.remove(path + ".tmp") if os.path.exists(path + ".tmp") else None
+        if isinstance(e, OSError) or "unexpected pos" in str(e):  # how torch's zip writer reports a failed write
+            sys.exit(f"--out: {path} not written ({getattr(e, 'strerror', 0) or 'disk full?'}); the earlier ones kept")
+        raise
+    if rotate and os.path.exists(path):
         os.replace(path, path[:-3] + "-prev.pt")
     os.replace(path + ".tmp", path)
     if hasattr(os, "O_DIRECTORY"):  # POSIX: the renames made durable too
@@ -417,41 +445,38 @@ def save_atomic(obj, path):
         os.close(fd)
 
 
-def read_checkpoint(path, config):
-    """Anything wrong ends the run with one line naming the file."""
+def read_checkpoint(args, config):
+    """--out's ckpt.pt (or ckpt-prev.pt for a broken one), whose model, ranks and data settings must be the run's
+    (its position in the data means nothing otherwise); others may change, with a note. A problem: one line."""
     def read(p):
-        if not os.path.isfile(p):
-            return None, "no such file"
         try:
             ckpt = torch.load(p, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001  (truncated or corrupt: EOFError, RuntimeError, zip errors)
-            detail = (str(e).strip() or type(e).__name__).splitlines()[0][:200]
-            if isinstance(e, pickle.UnpicklingError):  # weights_only refused an object, or the pickle is broken
-                return None, f"not loadable as plain tensors and values (weights_only=True): {detail}"
-            return None, f"unreadable ({type(e).__name__}: {detail}); truncated or corrupt?"
-        keys = {"model", "optimizer", "step", "seen", "rng", "history", "config"}
-        if not isinstance(ckpt, dict) or not keys <= set(ckpt):
-            return None, f"not a checkpoint of this script (it needs the entries {sorted(keys)})"
-        return ckpt, None
-    ckpt, problem = read(path)
+            found = [s.split()[0] for s in str(e).split("GLOBAL ")[1:]]  # weights_only refused these objects
+            return None, ("no such file" if isinstance(e, FileNotFoundError) else
+                          f"holds Python objects ({', '.join(found)}), which could run code: not loaded" if found else
+                          f"unreadable ({type(e).__name__}: {str(e).split('. ')[0][:200]}); truncated or corrupt?")
+        keys = {"model", "optimizer", "step", "seen", "rng", "history", "args", "config"}
+        return (ckpt, None) if isinstance(ckpt, dict) and keys <= {*ckpt} else (None, "not a checkpoint of this script")
+    (ckpt, problem), prev = read(path := os.path.join(args.out, "ckpt.pt")), os.path.join(args.out, "ckpt-prev.pt")
     if problem:
-        prev = path[:-3] + "-prev.pt"
         ckpt, problem_prev = read(prev)
         if problem_prev:
-            raise SystemExit(f"--resume: {path}: {problem}"
-                             + (f"; {prev}: {problem_prev}" if os.path.exists(prev) else ""))
+            sys.exit(f"--resume: {path}: {problem}" + (f"; {prev}: {problem_prev}" if os.path.exists(prev) else ""))
         print(f"WARNING --resume: {path}: {problem}. Resuming from {prev} (step {ckpt['step']}) instead.", flush=True)
         path = prev
-    if ckpt["config"] != config:
-        diff = ", ".join(f"{k} {ckpt['config'].get(k)!r} there, {v!r} here" for k, v in config.items()
-                         if ckpt["config"].get(k) != v)
-        raise SystemExit(f"--resume: {path} was written for another model configuration ({diff})")
-    return ckpt
+    old = dict(ckpt["args"], **ckpt["config"], nproc_per_node=len(ckpt["seen"]))
+    new = dict(vars(args), **config, nproc_per_node=int(os.environ.get("WORLD_SIZE", 1)))
+    fixed = [*config, "data", "seq_len", "batch_size", "grad_accum", "mask_prob", "seed", "nproc_per_node"]
 
-
-# %%
-# Training
-# --------
+    def differ(keys):
+        return ", ".join(f"{'--' + k.replace('_', '-') if k in args else k} {old.get(k)!r} there, {new[k]!r} here"
+                         for k in keys if old.get(k) != new[k])
+    if bad := differ(fixed):
+        sys.exit(f"--resume: {path} is of another model or data stream, where its place means nothing ({bad})")
+    if changed := differ(k for k in new if k not in (*fixed, "resume", "stop_after", "bench_paths")):
+        print(f"note --resume: {changed}", flush=True)
+    return dict(ckpt, path=path)
 
 
 def flops_per_token(n_params, cfg, seq_len):  # 6 a parameter, plus attention's QK^T and PV (PaLM's appendix B):
@@ -476,8 +501,7 @@ def prepare(model, args, ddp, device, compiled, graphs_shape=None):
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
                                    {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=args.weight_decay, fused=cuda)
-    if graphs_shape:
-        capture_cuda_graphs(model, *graphs_shape, compiled=compiled)
+    capture_cuda_graphs(model, *graphs_shape, compiled=compiled) if graphs_shape else None
     if ddp:  # gradient_as_bucket_view: no copy of the gradients into DDP's buckets
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if cuda else None,
                                                     gradient_as_bucket_view=True)
@@ -506,42 +530,40 @@ def train_step(model, optimizer, micro_batches, args, ddp):
 
 def train(args, ddp, rank, world, device):
     """The training loop; returns the logged history (list of dicts)."""
-    master, cuda = rank == 0, device.type == "cuda"
+    master, cuda, ckpt, cfg = rank == 0, device.type == "cuda", vars(args).pop("checkpoint"), vars(args).pop("config")
     torch.manual_seed(args.seed + rank)
-    model = load_hf_checkpoint(args.init_from, args.attn) if args.init_from else RoFormerForMaskedLM(RoFormerConfig(
-        VOCAB, args.hidden, args.layers, args.heads, 4 * args.hidden, max_position_embeddings=max(args.seq_len, 512),
-        pad_token_id=PAD), args.attn)
-    cfg, n_params = model.cfg, sum(p.numel() for p in model.parameters())
-    if cfg.vocab_size < VOCAB:
-        raise SystemExit(f"--init-from: a vocabulary of {cfg.vocab_size} tokens, too few for 05's {VOCAB} byte tokens")
-    if args.seq_len > cfg.max_position_embeddings:
-        raise SystemExit(f"--seq-len {args.seq_len} is over the model's angle table ({cfg.max_position_embeddings})")
-    matmul_rate = matmul_tflops(device) if cuda else None
+    model = load_hf_checkpoint(args.init_from, args.attn) if args.init_from else RoFormerForMaskedLM(cfg, args.attn)
+    n_params, matmul_rate = sum(p.numel() for p in model.parameters()), matmul_tflops(device) if cuda else 1
     # `model` itself is saved and evaluated: no DDP "module." or compiled "_orig_mod." prefix
     stepped, optimizer = prepare(model.to(device), args, ddp, device, args.compile,
                                  (args.batch_size, args.seq_len) if args.cuda_graphs else None)
-    os.makedirs(args.out, exist_ok=True)
     ckpt_path, step, seen, history = os.path.join(args.out, "ckpt.pt"), 0, [0] * world, []
-    if args.resume:
-        ckpt = read_checkpoint(ckpt_path, dataclasses.asdict(cfg))
-        if len(ckpt["seen"]) != world:
-            raise SystemExit(f"--resume: the checkpoint was written by {len(ckpt['seen'])} ranks, this run has {world}")
+    if ckpt:
         model.load_state_dict(ckpt["model"])  # copied in place, where the graphs and DDP read the weights
         optimizer.load_state_dict(ckpt["optimizer"])
         step, seen, history, rng = ckpt["step"], ckpt["seen"], ckpt["history"], ckpt["rng"][rank]
         torch.set_rng_state(rng["torch"])
-        if cuda:
-            torch.cuda.set_rng_state(rng["cuda"])
+        torch.cuda.set_rng_state(rng["cuda"]) if cuda else None
+    rotate = not ckpt or ckpt["path"] == ckpt_path  # a ckpt.pt that failed to load is never kept over ckpt-prev.pt
+    keys = ("step", "loss", "acc", "val_loss", "val_acc", "lr", "ms", "tok_s")
+
+    def log(*rows, mode="a"):  # log.csv: each line appended as it is made, so that a kill or a crash loses none
+        with open(os.path.join(args.out, "log.csv"), mode) as f:
+            f.write("".join(",".join(str(r.get(k, "")) for k in keys) + "\n" for r in rows))
+        history.extend(rows if mode == "a" else ())
+    if master:  # the log as of the checkpoint (a killed run's later lines go); no partial save of a killed run
+        log(dict(zip(keys, keys)), *history, mode="w")
+        os.remove(ckpt_path + ".tmp") if os.path.exists(ckpt_path + ".tmp") else None
     train_batches = batches(args.data, args.seq_len, args.batch_size, rank, world, start=seen[rank])
     eval_batches = list(itertools.islice(batches(args.data, args.seq_len, args.batch_size, 0, 1, held_out=True),
                                          args.eval_batches))  # read once, kept
     if not eval_batches:
-        raise SystemExit(f"--data has too little text for one held-out batch of {args.batch_size} x {args.seq_len}")
+        sys.exit(f"--data has too little text for one held-out batch of {args.batch_size} x {args.seq_len}")
     if master:
         counts = torch.bincount(torch.cat([ids.flatten() for ids, _ in eval_batches]), minlength=VOCAB)[:256]  # bytes
-        print(f"RoFormer MLM: {n_params / 1e6:.2f}M parameters, attn={args.attn}, {world} rank(s), device {device}, "
+        print(f"RoFormer MLM: {n_params:,} parameters, attn={args.attn}, {world} rank(s), device {device}, "
               f"batch {args.batch_size} x seq_len {args.seq_len} x {args.grad_accum} accumulation"
-              + (", CUDA graphs" if args.cuda_graphs else "") + (", torch.compile" if args.compile else "")
+              + ", CUDA graphs" * args.cuda_graphs + ", torch.compile" * args.compile
               + f"\nbaseline: the most frequent token is right on {counts.max() / counts.sum():.1%} of tokens"
               + (f"; MFU: model FLOPs over a bf16 matmul's {matmul_rate:.0f} TF/s" if cuda else ""))
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
@@ -557,39 +579,30 @@ def train(args, ddp, rank, world, device):
         seen = [n + args.batch_size * args.grad_accum for n in seen]  # as many on every rank: no need to ask them
         loss, acc = train_step(stepped, optimizer, micro_batches, args, ddp)
         step, timed_steps = step + 1, timed_steps + 1
-        log = master and (step % args.log_interval == 0 or step == args.max_steps)
-        if log:
+        timed_apart = step == first_step + 1  # the first step (traced and compiled), logs, evaluations, saves
+        if master and (step % args.log_interval == 0 or step == args.max_steps):
             loss, acc = loss.item(), acc.item()  # waits for the GPU: the time below is its time
-            dt = (time.perf_counter() - t0) / timed_steps
-            history.append(dict(step=step, loss=loss, acc=acc, lr=lr, ms=dt * 1e3, tok_s=tokens_per_step / dt))
-            mfu = flops_per_token(n_params, cfg, args.seq_len) * tokens_per_step / world / dt / 1e12 / (matmul_rate or 1)
+            dt, timed_apart = (time.perf_counter() - t0) / timed_steps, True
+            log(dict(step=step, loss=loss, acc=acc, lr=lr, ms=dt * 1e3, tok_s=tokens_per_step / dt))
+            mfu = flops_per_token(n_params, cfg, args.seq_len) * tokens_per_step / world / dt / 1e12 / matmul_rate
             gpu = f" | MFU {mfu:.1%} | peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if cuda else ""
             print(f"step {step:5d} | loss {loss:.4f} | masked acc {acc:.3f} | lr {lr:.2e} | {dt * 1e3:.0f} ms/step | "
                   f"{tokens_per_step / dt:.0f} tok/s{gpu}", flush=True)
-        timed_apart = log or step == first_step + 1  # the first step (traced and compiled), evaluations, saves
         if master and (step % args.eval_interval == 0 or step == args.max_steps):
-            val_loss, val_acc = evaluate(model, eval_batches, args, device)
+            (val_loss, val_acc), timed_apart = evaluate(model, eval_batches, args, device), True
             print(f"step {step:5d} | held-out loss {val_loss:.4f} | held-out masked acc {val_acc:.3f}", flush=True)
-            history.append(dict(step=step, val_loss=val_loss, val_acc=val_acc))
-            timed_apart = True
+            log(dict(step=step, val_loss=val_loss, val_acc=val_acc))
         if step % args.ckpt_interval == 0 or step == stop_at:
             rngs = [dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device) if cuda else None)] * world
-            if ddp:
-                torch.distributed.all_gather_object(rngs, rngs[0])
+            torch.distributed.all_gather_object(rngs, rngs[0]) if ddp else None
             if master:
                 save_atomic(dict(model=model.state_dict(), optimizer=optimizer.state_dict(), step=step, seen=seen,
-                                 rng=rngs, history=history, args=vars(args), config=dataclasses.asdict(cfg)), ckpt_path)
-            timed_apart = True
+                                 rng=rngs, history=history, args=vars(args), config=dataclasses.asdict(cfg)),
+                            ckpt_path, rotate)
+            rotate = timed_apart = True
         if timed_apart:
-            if cuda:
-                torch.cuda.synchronize(device)
+            torch.cuda.synchronize(device) if cuda else None
             t0, timed_steps = time.perf_counter(), 0
-    if master:  # the history as log.json and log.csv
-        with open(os.path.join(args.out, "log.json"), "w") as f:
-            json.dump(history, f, indent=1)
-        keys = ["step", "loss", "acc", "val_loss", "val_acc", "lr", "ms", "tok_s"]
-        with open(os.path.join(args.out, "log.csv"), "w") as f:
-            f.write(",".join(keys) + "\n" + "".join(",".join(str(r.get(k, "")) for k in keys) + "\n" for r in history))
     return history
 
 
@@ -615,58 +628,45 @@ def evaluate(model, eval_batches, args, device):
 
 def bench(args, ddp, rank, world, device):
     cuda = device.type == "cuda"
-    vocab, hidden, layers, heads, ffn, seq, batch = (30522, 768, 12, 12, 3072, args.seq_len, args.batch_size) if cuda \
-        else (300, 32, 2, 2, 64, 32, 2)
-    cfg = RoFormerConfig(vocab, hidden, layers, heads, ffn, max_position_embeddings=seq, pad_token_id=0)
+    seq, batch = (args.seq_len, args.batch_size) if cuda else (32, 2)
+    cfg = RoFormerConfig(*((30522, 768, 12, 12, 3072) if cuda else (300, 32, 2, 2, 64)), max_position_embeddings=seq,
+                         pad_token_id=0)
     gen = torch.Generator().manual_seed(args.seed + rank)
-    ids = torch.randint(1, vocab, (batch, seq), generator=gen)
+    ids = torch.randint(1, cfg.vocab_size, (batch, seq), generator=gen)
     ours = device_batch(ids, torch.ones_like(ids, dtype=torch.bool), args, gen, device)  # masked as in training
-    theirs = dict(input_ids=ours["input_ids"], labels=ours["labels"])
     with torch.device("meta"):  # counted without allocating anything
         flops = flops_per_token(sum(p.numel() for p in RoFormerForMaskedLM(cfg).parameters()), cfg, seq) * batch * seq
-    paths = [m + mode for m in ATTN_PATHS + ("hf",) for mode in ("", "+compile", "+graphs", "+compile+graphs")
-             if (cuda and m != "hf") or "graphs" not in mode]
-    chosen = args.bench_paths.split(",") if args.bench_paths else paths
-    if set(chosen) - set(paths):
-        raise SystemExit(f"--bench-paths: {', '.join(sorted(set(chosen) - set(paths)))} not among {', '.join(paths)}")
-    try:
-        import transformers
-    except ImportError:
+    if not (transformers := importlib.util.find_spec("transformers") and importlib.import_module("transformers")):
         print("(transformers is not installed: Hugging Face's model is not benchmarked)")
-        chosen = [p for p in chosen if not p.startswith("hf")]
-    paths, rate = [p for p in paths if p in chosen], matmul_tflops(device) if cuda else None
-    hf_config = dataclasses.asdict(cfg) | dict(embedding_size=None, attention_probs_dropout_prob=0.0)
-    results = {p: dict(path=p, ms_by_round=[], peak_gib=0.0) for p in paths}
+    paths = [p for p in args.bench_paths if transformers or not p.startswith("hf")]
+    rate, results = cuda and matmul_tflops(device), {p: dict(path=p, ms_by_round=[], peak_gib=0.0) for p in paths}
+    hf_cfg = dataclasses.asdict(cfg) | dict(embedding_size=None, attention_probs_dropout_prob=0.0)
     for round_ in range(args.bench_rounds):
         for path in paths if round_ % 2 == 0 else paths[::-1]:
             torch.cuda.empty_cache()  # (nothing without a GPU)
-            start, r, hf = time.perf_counter(), results[path], path.startswith("hf")
+            times, r, hf = [time.perf_counter()], results[path], path.startswith("hf")
             torch.manual_seed(args.seed)
-            model = (transformers.RoFormerForMaskedLM(transformers.RoFormerConfig(**hf_config)) if hf
+            model = (transformers.RoFormerForMaskedLM(transformers.RoFormerConfig(**hf_cfg)) if hf
                      else RoFormerForMaskedLM(cfg, path.split("+")[0])).to(device)
-            model, optimizer = prepare(model, args, ddp, device, "+compile" in path,
-                                       (batch, seq) if "+graphs" in path else None)
-            step = (model, optimizer, [theirs if hf else ours], args, ddp)
-            for _ in range(3):  # compile (in the first round), warm up
-                train_step(*step)
-            torch.cuda.synchronize(device) if cuda else None
-            r.setdefault("build_s", time.perf_counter() - start)
-            start = time.perf_counter()
-            for _ in range(args.bench_steps):
-                train_step(*step)
-            torch.cuda.synchronize(device) if cuda else None
-            r["ms_by_round"].append((time.perf_counter() - start) / args.bench_steps * 1e3)
+            step = (*prepare(model, args, ddp, device, "+compile" in path, (batch, seq) if "+graphs" in path else None),
+                    [dict(input_ids=ours["input_ids"], labels=ours["labels"]) if hf else ours], args, ddp)
+            for n in (3, args.bench_steps):  # built, compiled (in the first round) and warmed up; then timed
+                for _ in range(n):
+                    train_step(*step)
+                torch.cuda.synchronize(device) if cuda else None
+                times.append(time.perf_counter())
+            r.setdefault("build_s", times[1] - times[0])
+            r["ms_by_round"].append((times[2] - times[1]) / args.bench_steps * 1e3)
             r["peak_gib"] = max(r["peak_gib"], torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
-            del model, optimizer, step
+            r["ms"] = statistics.median(r["ms_by_round"])
+            r["tokens_per_s"], r["of_matmul"] = batch * seq * world / r["ms"] * 1e3, flops / r["ms"] / 1e9 / (rate or 1)
+            del model, step
             gc.collect()  # a graphed encoder refers to itself: only the collector frees it and its graphs
-    for r in results.values():
-        r["ms"] = statistics.median(r["ms_by_round"])
-        r["tokens_per_s"], r["of_matmul"] = batch * seq * world / r["ms"] * 1e3, flops / r["ms"] / 1e9 / (rate or 1)
     base = next((results[p] for p in ("hf+compile", "hf") if p in results), None)
     for r in results.values() if rank == 0 else ():
         print(f"{r['path']:>21}: {r['ms']:7.1f} ms/step (rounds " + " / ".join(f"{m:.1f}" for m in r["ms_by_round"])
-              + f") {r['tokens_per_s']:8.0f} tokens/s  peak {r['peak_gib']:5.1f} GiB  build + 3 steps "
-              f"{r['build_s']:3.0f} s" + (f"  {r['of_matmul']:4.0%} of a {rate:.0f} TF/s matmul" if cuda else "")
+              + f") {r['tokens_per_s']:8.0f} tokens/s  build + 3 steps {r['build_s']:3.0f} s"
+              + (f"  peak {r['peak_gib']:5.1f} GiB  {r['of_matmul']:4.0%} of a {rate:.0f} TF/s matmul" if cuda else "")
               + (f"  {r['tokens_per_s'] / base['tokens_per_s']:.2f}x {base['path']}" if base else ""))
     return list(results.values())
 
@@ -674,12 +674,10 @@ def bench(args, ddp, rank, world, device):
 def main(argv=None):
     args = parse_args(argv)
     ddp, cuda = "RANK" in os.environ, torch.cuda.is_available()  # torchrun sets RANK: NCCL on GPUs, gloo on CPUs
-    if ddp:
-        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    torch.distributed.init_process_group("nccl" if cuda else "gloo") if ddp else None
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if ddp else (0, 1)
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    torch.cuda.set_device(device) if cuda else None
     if args.bench and not cuda and rank == 0:
         print("NO GPU: a tiny model in Triton's interpreter; the numbers say nothing about speed.")
     try:
@@ -687,6 +685,10 @@ def main(argv=None):
     except torch.cuda.OutOfMemoryError:  # a clear message, not a stack trace from deep inside autograd
         raise SystemExit(f"out of GPU memory with --batch-size {args.batch_size} and --seq-len {args.seq_len}: "
                          f"lower --batch-size and raise --grad-accum to keep the tokens per step") from None
+    except KeyboardInterrupt:  # Ctrl-C: a note, not a traceback, and the shell's status for it
+        saved = not args.bench and os.path.exists(ckpt := os.path.join(args.out, "ckpt.pt"))
+        print("interrupted" + f"; --resume goes on from {ckpt}" * saved, file=sys.stderr)
+        raise SystemExit(130) from None
     if ddp:  # leave together, once nothing holds the group: a gloo group torn down while a rank works can abort it
         torch.distributed.barrier()
         gc.collect()

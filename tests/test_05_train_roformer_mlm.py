@@ -1,9 +1,11 @@
 """05_train_roformer_mlm.py: faithfulness to Hugging Face's RoFormerForMaskedLM, the attention paths
-agreeing, BERT masking, an exact resume, durable checkpoints (a kill during a save, broken and
-foreign checkpoints), DDP (gloo on the CPU), bad inputs."""
+agreeing, BERT masking, an exact resume, durable checkpoints and logs (a kill during a save, Ctrl-C,
+broken and foreign checkpoints, a full disk), DDP (gloo on the CPU), bad inputs: one line each."""
 import argparse
+import csv
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -50,10 +52,24 @@ def test_logits_equal_hugging_face(tmp_path, attn, padded):
     assert rel <= 1e-4, f"relative error {rel:.2e}"
 
 
-def test_other_architecture_is_refused(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 64}))
-    with pytest.raises(ValueError, match="not a RoFormer checkpoint"):
-        train.load_hf_checkpoint(str(tmp_path), "torch")
+def test_init_from_problems_are_one_line(tmp_path):
+    """A missing folder, no config.json, a config.json that is no JSON, another architecture, no weights,
+    weights of another shape: each ends the run with one line naming --init-from, before any work."""
+    out, folder = ["--out", str(tmp_path / "o")], tmp_path / "hf"
+    for problem, prepare in (("no such folder", lambda: None),
+                             ("config.json: ", lambda: folder.mkdir()),
+                             ("config.json: ", lambda: (folder / "config.json").write_text("{not json")),
+                             ("not a RoFormer \\(model_type 'bert'\\)",
+                              lambda: (folder / "config.json").write_text(json.dumps({"model_type": "bert"}))),
+                             ("no model.safetensors or pytorch_model.bin",
+                              lambda: (folder / "config.json").write_text(json.dumps({"model_type": "roformer"})))):
+        prepare()
+        with pytest.raises(SystemExit, match=f"^--init-from {folder}: {problem}") as e:
+            train.parse_args(out + ["--init-from", str(folder)])
+        assert "\n" not in str(e.value)
+    torch.save({"bert.pooler.dense.weight": torch.zeros(2, 2)}, folder / "pytorch_model.bin")  # another model's
+    with pytest.raises(SystemExit, match="the weights do not fit: missing .*unexpected"):
+        train.load_hf_checkpoint(str(folder), "torch")
 
 
 def test_attention_paths_agree():
@@ -263,10 +279,9 @@ def test_resume_with_cuda_graphs_gives_the_same_loss_curve(tmp_path, flags):
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU run: the flag is refused")
-def test_cuda_graphs_need_a_gpu(capsys):
-    with pytest.raises(SystemExit):
-        train.parse_args(["--cuda-graphs"])
-    assert "--cuda-graphs needs a GPU" in capsys.readouterr().err
+def test_cuda_graphs_need_a_gpu(tmp_path):
+    with pytest.raises(SystemExit, match="--cuda-graphs needs a GPU"):
+        train.parse_args(["--cuda-graphs", "--out", str(tmp_path)])
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -283,9 +298,25 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         train.save_atomic({"step": 3}, path)
     monkeypatch.undo()
     assert torch.load(path)["step"] == 2 and torch.load(tmp_path / "ckpt-prev.pt")["step"] == 1
+    assert not (tmp_path / "ckpt.pt.tmp").exists()  # the partial file is removed
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="a full disk is simulated with /dev/full")
+def test_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    train.save_atomic({"step": 1}, path)
+    os.symlink("/dev/full", path + ".tmp")  # every write there fails with ENOSPC
+    with pytest.raises(SystemExit, match=r"ckpt.pt not written \(No space left on device\); the earlier ones kept$"):
+        train.save_atomic({"step": 2, "weights": torch.zeros(1 << 16)}, path)
+    assert not os.path.lexists(path + ".tmp") and torch.load(path)["step"] == 1
 
 
 LOSSES = lambda h: [(r["step"], r["loss"]) for r in h if "loss" in r]  # noqa: E731
+
+
+def CSV_LOSSES(out):  # the (step, loss) rows of out/log.csv
+    with open(out / "log.csv") as f:
+        return [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f) if r["loss"]]
 
 
 def test_broken_checkpoints_end_with_one_line(tmp_path):
@@ -304,13 +335,17 @@ def test_broken_checkpoints_end_with_one_line(tmp_path):
     with deterministic_algorithms():
         resumed = train.main(["--out", str(out), "--resume"] + common)
     assert LOSSES(resumed) == LOSSES(straight)
-    with pytest.raises(SystemExit, match=r"written for another model configuration \(hidden_size 32 there, 64 here"):
+    # its save at step 6 replaced the unreadable ckpt.pt and kept the good ckpt-prev.pt (never rotated over it)
+    assert torch.load(ckpt, weights_only=True)["step"] == 6 and prev.read_bytes() == good_prev
+    with pytest.raises(SystemExit, match=r"ckpt.pt is of another model or data .*\(hidden_size 32 there, 64 here"):
         train.main(["--out", str(out), "--resume"] + common + ["--hidden", "64"])
     state = torch.load(ckpt, weights_only=True)
     torch.save(dict(state, args=argparse.Namespace(evil=True)), ckpt)  # an object: unpickling it could run code
     prev.unlink()
-    with pytest.raises(SystemExit, match=r"ckpt.pt: not loadable as plain tensors and values \(weights_only=True\)"):
+    with pytest.raises(SystemExit, match=r"ckpt.pt: holds Python objects \(argparse.Namespace\), which could run "
+                                         r"code: not loaded$") as e:
         train.main(["--out", str(out), "--resume"] + common)
+    assert "\x1b" not in str(e.value) and "weights_only" not in str(e.value)  # not torch's half sentence
     torch.save({"model": {}}, ckpt)
     with pytest.raises(SystemExit, match="not a checkpoint of this script"):
         train.main(["--out", str(out), "--resume"] + common)
@@ -355,16 +390,20 @@ train.main({["--out", str(out)] + common!r})
         proc.kill()
         proc.wait()
     assert (out / "ckpt.pt.tmp").exists() and torch.load(out / "ckpt.pt", weights_only=True)["step"] == 4
+    assert CSV_LOSSES(out) == LOSSES(straight)[:6]  # logged as the run went: nothing lost to the kill
     with deterministic_algorithms():
         resumed = train.main(["--out", str(out), "--resume"] + common)
     assert LOSSES(resumed) == LOSSES(straight)
+    assert CSV_LOSSES(out) == LOSSES(straight)  # the lines after the checkpoint (steps 5, 6) written once
+    (out / "ckpt.pt.tmp").write_bytes(b"part of a checkpoint")  # as a killed save leaves it
+    train.main(["--out", str(out), "--resume"] + common)  # nothing left to train: no save, yet the file goes
+    assert not (out / "ckpt.pt.tmp").exists()
 
 
-def test_data_that_is_not_there_is_one_line(tmp_path, capsys):
+def test_data_that_is_not_there_is_one_line(tmp_path):
     for data in (tmp_path / "missing.txt", tmp_path):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit, match=f"^--data {data}: no such file$"):
             train.main(["--out", str(tmp_path / "o"), "--data", str(data)])
-        assert f"--data {data}: no such file" in capsys.readouterr().err
 
 
 def test_bad_inputs(tmp_path):
@@ -377,7 +416,7 @@ def test_bad_inputs(tmp_path):
     ckpt.mkdir()
     torch.save(train.RoFormerForMaskedLM(cfg).state_dict(), ckpt / "pytorch_model.bin")
     (ckpt / "config.json").write_text(json.dumps(dict(model_type="roformer", **cfg.__dict__)))
-    with pytest.raises(SystemExit, match="over the model's angle table \\(64\\)"):
+    with pytest.raises(SystemExit, match="--seq-len 128 is over the model's 64 positions"):
         train.main(["--out", str(tmp_path / "o"), "--init-from", str(ckpt), "--seq-len", "128"])
     with pytest.raises(SystemExit, match="too little text"):
         train.main(["--out", str(tmp_path / "o"), "--data", str(tmp_path / "docs" / "a.txt"), "--max-steps", "1",
@@ -390,8 +429,10 @@ def test_default_run_writes_logs_and_a_checkpoint(tmp_path):
                              "--max-steps", "6", "--log-interval", "3", "--eval-interval", "6"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "baseline" in result.stdout and "held-out loss" in result.stdout
-    assert {"ckpt.pt", "log.json", "log.csv"} <= set(os.listdir(tmp_path))
+    assert "baseline" in result.stdout and "held-out loss" in result.stdout and "\r" not in result.stdout
+    assert re.match(r"RoFormer MLM: \d{1,3}(,\d{3})+ parameters, attn=torch,", result.stdout)  # the count, exact
+    assert {"ckpt.pt", "log.csv"} <= set(os.listdir(tmp_path))
+    assert [line.split(",")[0] for line in (tmp_path / "log.csv").read_text().splitlines()] == ["step", "3", "6", "6"]
 
 
 def _torchrun_two_ranks(args, out, timeout=600):
@@ -429,10 +470,13 @@ def test_two_paths_train_alike_from_the_same_seed(tmp_path):
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU --bench times the BERT-base shape; run it by hand")
-def test_bench_runs_every_path(tmp_path):
+def test_bench_runs_every_path(tmp_path, capsys):
     results = train.main(["--bench", "--bench-steps", "1", "--bench-rounds", "1", "--out", str(tmp_path)])
     assert [r["path"] for r in results][:8] == [p + mode for p in train.ATTN_PATHS for mode in ("", "+compile")]
     assert all(r["tokens_per_s"] > 0 for r in results)
+    printed = capsys.readouterr().out
+    assert "nan" not in printed and "GiB" not in printed and "TF/s" not in printed  # no GPU figures without a GPU
+    assert not os.listdir(tmp_path)  # --bench writes no run
 
 
 def test_a_batch_that_does_not_fit_gets_advice(tmp_path, monkeypatch):
@@ -443,11 +487,12 @@ def test_a_batch_that_does_not_fit_gets_advice(tmp_path, monkeypatch):
         train.main(["--out", str(tmp_path), "--max-steps", "1"] + TINY)
 
 
-def test_large_text_files_are_streamed_in_pieces(tmp_path):
-    (tmp_path / "big.txt").write_text("a line of text\n" * 1000)
-    pieces = list(train.documents(str(tmp_path / "big.txt"), block_chars=1000))
-    assert pieces[-1] is None and len(pieces) > 10 and max(len(p) for p in pieces[:-1]) < 1100
-    assert "".join(pieces[:-1]) == "a line of text\n" * 1000
+@pytest.mark.parametrize("text", [b"a line of text\n" * 1000, b"one line without an end " * 1000])
+def test_large_text_files_are_streamed_in_pieces(tmp_path, text):
+    (tmp_path / "big.txt").write_bytes(text)
+    pieces = list(train.documents(str(tmp_path / "big.txt"), block_bytes=1000))
+    assert pieces[-1] is None and len(pieces) > 10 and max(len(p) for p in pieces[:-1]) <= 1000
+    assert b"".join(pieces[:-1]) == text  # the file's bytes, as they are (they are the tokens)
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU --bench times the BERT-base shape; run it by hand")
@@ -481,11 +526,131 @@ def test_compiled_training_matches_eager_and_its_checkpoints_load_either_way(tmp
     train.main(["--out", str(tmp_path / "a"), "--resume"] + longer + ["--compile"])  # compiled, from an eager run
 
 
-def test_compile_and_cuda_graphs_defaults(monkeypatch):
+def test_compile_and_cuda_graphs_defaults(monkeypatch, tmp_path):
     """On a GPU both are on (the encoder compiled, then captured), the graphs off under torchrun; on the
     CPU both are off."""
-    args = train.parse_args([])
+    args = train.parse_args(["--out", str(tmp_path)])
     assert (args.compile, args.cuda_graphs) == (ON_GPU, ON_GPU)
     monkeypatch.setenv("RANK", "0")
-    args = train.parse_args([])
+    args = train.parse_args(["--out", str(tmp_path)])
     assert (args.compile, args.cuda_graphs) == (ON_GPU, False)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--grad-accum", "0"], "--grad-accum must satisfy v >= 1, got 0"),
+    (["--ckpt-interval", "0"], "--ckpt-interval must satisfy v >= 1, got 0"),
+    (["--log-interval", "0"], "--log-interval must satisfy v >= 1, got 0"),
+    (["--eval-interval", "0"], "--eval-interval must satisfy v >= 1, got 0"),
+    (["--heads", "0"], "--heads must satisfy v >= 1, got 0"),
+    (["--layers", "0"], "--layers must satisfy v >= 1, got 0"),
+    (["--max-steps", "0"], "--max-steps must satisfy v >= 1, got 0"),
+    (["--batch-size", "0"], "--batch-size must satisfy v >= 1, got 0"),
+    (["--batch-size", "-1"], "--batch-size must satisfy v >= 1, got -1"),
+    (["--eval-batches", "0"], "--eval-batches must satisfy v >= 1, got 0"),
+    (["--lr", "nan"], "--lr must satisfy 0 < v < inf, got nan"),
+    (["--lr", "-1"], "--lr must satisfy 0 < v < inf, got -1.0"),
+    (["--lr", "inf"], "--lr must satisfy 0 < v < inf, got inf"),
+    (["--mask-prob", "1.5"], "--mask-prob must satisfy 0 < v <= 1, got 1.5"),
+    (["--mask-prob", "0"], "--mask-prob must satisfy 0 < v <= 1, got 0.0"),
+    (["--seq-len", "100000"], "--seq-len 100000 is over the model's 1536 positions"),
+    (["--seq-len", "many"], "argument --seq-len: invalid int value: 'many'"),
+    (["--hidden", "30", "--heads", "2"], "--hidden 30 must be a multiple of 2 x --heads 2"),
+    (["--attn", "fused", "--hidden", "64", "--heads", "8"], "--attn fused takes head dims of 16-128, not 8"),
+    (["--init-from", "no-such-folder"], "--init-from no-such-folder: no such folder"),
+])
+def test_bad_values_end_with_one_line_naming_the_flag(tmp_path, argv, message):
+    """Each is refused by parse_args, before any work (nothing is written), with one line."""
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(argv + ["--out", str(tmp_path / "run")])
+    assert str(e.value) == message and not (tmp_path / "run").exists()
+
+
+def test_a_bad_value_from_the_command_line_is_one_line_without_a_traceback(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "05_train_roformer_mlm.py"), "--grad-accum", "0",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1 and result.stderr == "--grad-accum must satisfy v >= 1, got 0\n", result.stderr
+
+
+def test_binary_data_is_refused_text_in_any_encoding_is_not(tmp_path):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(torch.randint(0, 256, (100_000,), dtype=torch.uint8, generator=torch.Generator()
+                                     .manual_seed(0)).numpy().tobytes())
+    with pytest.raises(SystemExit, match=r"model.bin: [1-9]\d% of its first MiB is NUL or not UTF-8 \(binary\?\)$"):
+        train.parse_args(["--data", str(binary), "--out", str(tmp_path / "a")])
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("Ça a été très chouette, à bientôt !\n".encode("latin-1") * 100)  # 6 of 36 bytes not UTF-8
+    with pytest.raises(SystemExit, match=r"latin1.txt: 17% of its first MiB is NUL or not UTF-8 \(binary\?\)$"):
+        train.parse_args(["--data", str(latin1), "--out", str(tmp_path / "b")])
+    latin1.write_bytes("Une phrase en français, écrite en latin-1 et pas en UTF-8.\n".encode("latin-1") * 100)
+    assert train.parse_args(["--data", str(latin1), "--out", str(tmp_path / "c")]).data == str(latin1)  # 3%: text
+
+
+def test_an_out_that_holds_a_run_is_refused_without_resume(tmp_path):
+    out = tmp_path / "run"
+    train.main(["--out", str(out), "--max-steps", "2", "--ckpt-interval", "2"] + TINY)
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    with pytest.raises(SystemExit, match=r"holds a run \(ckpt.pt, log.csv\): go on with --resume, or choose another"):
+        train.main(["--out", str(out), "--max-steps", "2"] + TINY)
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before  # nothing replaced
+    (tmp_path / "a-file").write_text("")
+    for unwritable in (tmp_path / "a-file", tmp_path / "a-file" / "run"):  # found at the start, not at a save
+        with pytest.raises(SystemExit, match=f"^--out {unwritable}: not writable"):
+            train.parse_args(["--out", str(unwritable)])
+
+
+def test_resume_refuses_other_data_settings_and_notes_others(tmp_path, capsys):
+    """The checkpoint's position in the data stream means something only with the same data, sequence
+    length, batch size, accumulation, masking and seed; the learning rate, the step count and the
+    intervals may change, with a note."""
+    out = ["--out", str(tmp_path / "run")]
+    (tmp_path / "other.txt").write_text("other text\n" * 1000)
+    train.main(out + ["--max-steps", "4", "--stop-after", "1"] + TINY)
+    for flag, value, there in (("--data", str(tmp_path / "other.txt"), None), ("--seq-len", "16", "32"),
+                               ("--batch-size", "3", "2"), ("--grad-accum", "2", "1"),
+                               ("--mask-prob", "0.2", "0.15"), ("--seed", "7", "1337")):
+        with pytest.raises(SystemExit) as e:
+            train.parse_args(out + ["--resume", "--max-steps", "4"] + TINY + [flag, value])
+        shown = repr(value) if flag == "--data" else value
+        assert str(e.value).endswith(f"is of another model or data stream, where its place means nothing "
+                                     f"({flag} {there} there, {shown} here)")
+    capsys.readouterr()
+    train.parse_args(out + ["--resume", "--max-steps", "6"] + TINY + ["--lr", "1e-3", "--log-interval", "2"])
+    assert capsys.readouterr().out == ("note --resume: --max-steps 4 there, 6 here, --log-interval 1 there, 2 here, "
+                                       "--lr 0.0005 there, 0.001 here\n")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT")
+def test_ctrl_c_stops_cleanly_with_the_log_written(tmp_path):
+    """SIGINT (Ctrl-C) during training: exit status 130, one line on stderr naming the checkpoint to
+    resume from, no traceback, and log.csv holding every line logged before it."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "05_train_roformer_mlm.py"), "--out", str(out),
+                             "--max-steps", "100000", "--ckpt-interval", "3"] + TINY,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's child
+    try:
+        for _ in range(3000):  # until the first checkpoint is there
+            if (out / "ckpt.pt").exists() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert stderr == f"interrupted; --resume goes on from {out / 'ckpt.pt'}\n"
+    printed = [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("step") and "| loss" in line]
+    in_csv = [step for step, _ in CSV_LOSSES(out)]  # every step (--log-interval 1), the printed ones at least
+    assert len(in_csv) >= 3 and in_csv == list(range(1, len(in_csv) + 1)) and in_csv[:len(printed)] == printed
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = capsys.readouterr().out
+    flags = [line.split()[0].rstrip(",") for line in text.split("options:")[1].splitlines() if line.startswith("  --")]
+    assert len(flags) >= 25 and text.count("(default:") == len(flags)  # every option but --help
+
+
+def test_05_stays_within_its_line_budget():
+    assert len((ROOT / "05_train_roformer_mlm.py").read_text().splitlines()) <= 700
