@@ -305,7 +305,8 @@ def benchmark():
         fns = dict(zip(names, (lambda: out.copy_(x), lambda: rotate_half_torch(x), lambda: rotate_half(x),
                                lambda: rotate_half_rows(x))))
         us = curves[mb] = {name: _us(fn) for name, fn in fns.items()}
-        emit(f"| {shape} | {mb:.3g} | " + " | ".join(f"{us[n]:.1f} us ({100 * us['copy'] / us[n]:.0f}%)" for n in names)
+        emit(f"| {shape} | {mb:.3g} | " + " | ".join(f"{us[n]:.1f} us" + f" ({100 * us['copy'] / us[n]:.0f}%)"
+                                                     * (DEVICE.type == "cuda") for n in names)
              + " | " + " / ".join(f"{_us(fns[n], eager_call=True):.1f} us" for n in names[1:]) + " |")
     b, s, h, d = (4, 4096, 32, 128) if DEVICE.type == "cuda" else (1, 16, 2, 64)
     t = torch.randn(s, b, h, d, device=DEVICE, dtype=torch.bfloat16)

@@ -344,6 +344,8 @@ def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_po
             raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
         if x.dim() != rank:
             raise ValueError(f"{name} must have {rank} dims for tensor_format='{tensor_format}', got shape {tuple(x.shape)}")
+        if x.requires_grad and torch.is_grad_enabled():  # the output could not carry a gradient back to x
+            raise ValueError(f"{name} requires grad, but 02 has no backward: use 03's apply_rotary_pos_emb, or no_grad")
     t = tensors[0]
     if not isinstance(freqs, torch.Tensor):
         raise TypeError(f"freqs must be a torch.Tensor, got {type(freqs).__name__}")
@@ -564,7 +566,8 @@ def benchmark():
                 table += [f"| shape (b, s, h, d) | layout | {' | '.join(columns)} |", "|---" * (len(us) + 2) + "|"]
                 print("\n".join(table))
             table.append(f"| {(b, s, h, d)} | {fmt} | " + " | ".join(
-                f"{us[n]:.1f} us ({100 * us['copy'] / us[n]:.0f}%)" if n in us else "n/a" for n in columns) + " |")
+                f"{us[n]:.1f} us" + f" ({100 * us['copy'] / us[n]:.0f}%)" * on_gpu if n in us else "n/a"
+                for n in columns) + " |")
             print(table[-1])
     return "\n".join(table)
 

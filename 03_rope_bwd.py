@@ -714,12 +714,12 @@ def benchmark():  # {table: Markdown lines}, printed as measured
         torch._dynamo.config.cache_size_limit = 64  # a graph per shape (dynamic=False), as 02's
         peers.update({"ours, compiled": torch.compile(apply_rotary_pos_emb_qk, fullgraph=True, dynamic=False),
                       "torch.compile": torch.compile(eager, dynamic=False)})
-    for shape in BENCH_SHAPES if DEVICE.type == "cuda" else [(2, 8, 4, 64)]:
+    for shape, on_gpu in [(s, True) for s in BENCH_SHAPES] if DEVICE.type == "cuda" else [((2, 8, 4, 64), False)]:
         for table, fns in _tables(*shape, peers).items():
             us = {name: _us(fn, "eager call" in name) for name, fn in fns.items()}
             lines = pages.setdefault(table, [f"| shape (b, s, h, d) | {' | '.join(us)} |", "|---" * (len(us) + 1) + "|"])
-            copy_us = next(iter(us.values()))  # the copy's time over each time: the fraction of a copy's speed
-            lines.append(f"| {shape} | " + " | ".join(f"{t:.1f} us ({100 * copy_us / t:.0f}%)" for t in us.values()) + " |")
+            cell = lambda t, c=next(iter(us.values())): f"{t:.1f} us" + f" ({100 * c / t:.0f}%)" * on_gpu  # noqa: E731
+            lines.append(f"| {shape} | " + " | ".join(map(cell, us.values())) + " |")  # (x%): the copy's time over t
             print(f"{table}: {lines[-1]}")
     return pages
 

@@ -630,8 +630,8 @@ def _check(q, k, v, freqs, attention_mask, sm_scale):
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
         raise ValueError(f"k must match q but in heads (self-attention): got {tuple(k.shape)}, q {tuple(q.shape)}")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"q's {q.shape[2]} heads must be a multiple of k's {k.shape[2]} (grouped-query attention)")
+    if not k.shape[2] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"q's {q.shape[2]} heads must be a multiple of k's {k.shape[2]} >= 1 (grouped-query attention)")
     (batch, seqlen), head_dim = q.shape[:2], q.shape[3]
     if not 16 <= head_dim <= 128:
         raise ValueError(f"head dim must be between 16 and 128, got {head_dim}")

@@ -160,8 +160,7 @@ class RoFormerSelfAttention(nn.Module):
     def forward(self, x, freqs, mask):  # mask: [b, s], 1 = a real token, or None: no padding
         b, s, hidden = x.shape
         # One matmul for q, k and v: x is read, cast and saved for the backward once instead of three times.
-        weight = torch.cat((self.query.weight, self.key.weight, self.value.weight))
-        bias = torch.cat((self.query.bias, self.key.bias, self.value.bias))
+        weight, bias = (torch.cat(t) for t in zip(*((m.weight, m.bias) for m in (self.query, self.key, self.value))))
         qkv = F.linear(x, weight, bias).view(b, s, 3, self.heads, hidden // self.heads)
         if self.attn == "fused":
             # 04 rotates q and k inside attention and writes the gradients of q, k and v as one tensor, where
@@ -211,9 +210,8 @@ class RoFormerEncoder(nn.Module):
             layer.attention.self = RoFormerSelfAttention(cfg, attn)
             layer.attention.output, layer.output = AddNorm(cfg.hidden_size, cfg), AddNorm(cfg.intermediate_size, cfg)
             layer.intermediate.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        freqs = rope_bwd.rope_freqs(cfg.max_position_embeddings, cfg.hidden_size // cfg.num_attention_heads,
-                                    interleaved=True)  # RoFormer's angles: base 10000, interleaved pairs
-        self.register_buffer("freqs", freqs, persistent=False)
+        self.register_buffer("freqs", rope_bwd.rope_freqs(  # RoFormer's angles: base 10000, interleaved pairs
+            cfg.max_position_embeddings, cfg.hidden_size // cfg.num_attention_heads, 1e4, True), persistent=False)
 
     def forward(self, x, mask=None):
         for layer in self.layer:
@@ -254,6 +252,8 @@ def capture_cuda_graphs(model, batch_size, seq_len, compiled=False):
 class RoFormerForMaskedLM(nn.Module):
     def __init__(self, cfg, attn="torch"):
         super().__init__()
+        if attn not in ATTN_PATHS:  # the command line checks it too; a direct call must not run another path
+            raise ValueError(f"attn must be one of {ATTN_PATHS}, got {attn!r}")
         self.cfg, emb, self.graphed = cfg, cfg.embedding_size or cfg.hidden_size, None
         self.roformer = nn.Module()
         e = self.roformer.embeddings = nn.Module()

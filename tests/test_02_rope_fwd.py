@@ -287,3 +287,16 @@ def test_write_page(tmp_path, monkeypatch):
     for part in ("device: NVIDIA H200", "02_rope_fwd.py md5 ", "Command: `python ", "do_bench_cudagraph",
                  "| shape (b, s, h, d) |", "Raw log: `02_rope_fwd_H200.log`"):
         assert part in page
+
+
+def test_an_input_requiring_grad_is_refused_unless_no_grad():
+    """02 has no backward: its output could not carry a gradient to the layers before it, so it refuses rather
+    than stop their training silently, and points at 03."""
+    t = torch.randn(4, 2, 3, 16, device=DEVICE, requires_grad=True)
+    freqs = rope.rope_freqs(4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="t requires grad.*03's apply_rotary_pos_emb"):
+        rope.rope_fwd(t, freqs)
+    with pytest.raises(ValueError, match="k requires grad"):
+        rope.rope_fwd_qk(t.detach(), t, freqs)
+    with torch.no_grad():
+        torch.testing.assert_close(rope.rope_fwd(t, freqs), rope.rope_reference(t, freqs))

@@ -239,6 +239,7 @@ def test_errors():
         (lambda: attn.rope_attention(q, k.bfloat16(), v, f), TypeError, "k must have q's dtype"),
         (lambda: attn.rope_attention(q, k[:, :4], v, f), ValueError, "k and v must have the same shape"),
         (lambda: attn.rope_attention(q[:, :, :3], k, v, f), ValueError, "multiple of k's 2"),
+        (lambda: attn.rope_attention(q[:, :, :0], k[:, :, :0], v[:, :, :0], f), ValueError, "multiple of k's 0 >= 1"),
         (lambda: attn.rope_attention(q, k, v, f[:4]), ValueError, "over the 4 rows"),
         (lambda: attn.rope_attention(q, k, v, f[..., :15]), ValueError, "must be even"),
         (lambda: attn.rope_attention(q, k, v, f.double()), ValueError, "freqs must be float32"),

@@ -654,3 +654,8 @@ def test_help_shows_every_default(capsys):
 
 def test_05_stays_within_its_line_budget():
     assert len((ROOT / "05_train_roformer_mlm.py").read_text().splitlines()) <= 700
+
+
+def test_an_unknown_attention_path_is_refused_by_the_model_too():
+    with pytest.raises(ValueError, match="attn must be one of"):
+        train.RoFormerForMaskedLM(train.RoFormerConfig(), attn="flash")

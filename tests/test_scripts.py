@@ -21,6 +21,7 @@ def test_script_runs(script, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "self-check passed" in result.stdout
     assert "they say nothing about speed" in result.stdout  # the interpreter warning is printed
+    assert "%)" not in result.stdout  # and no interpreter timing as a fraction of the copy's
 
 
 def _readme_blocks(language):
