@@ -117,8 +117,9 @@ def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens
 # one k head and one v head of d channels, W = (g + 2) d. Unfused, q must be copied out of qkv before it can be
 # viewed as [s, b, h g, d], then rotated (N_q read and written twice), k rotated, v passed as a view; in the
 # backward, autograd rotates dq and dk into new tensors and concatenates dq, dk and dv into dqkv (N read and
-# written once more). The fused op reads qkv once and writes q, k and v once (2N), and in the backward reads
-# dq, dk and dv once and writes dqkv once (2N): about half the traffic each way, and one launch instead of four.
+# written once more). The fused op reads qkv once and writes q, k and v once (2N, v's copy included), and in the
+# backward reads dq, dk, dv and writes dqkv once (2N): with 4 q heads a group, 2/3 of the forward's traffic and half
+# the backward's, and one launch instead of three each way.
 #
 # Context parallelism (TE's layout): each sequence is cut into 2 cp_size chunks of c tokens, and rank r holds
 # chunks r and 2 cp_size - 1 - r (which balances causal attention). Local token i < c sits at position r c + i,
@@ -183,7 +184,7 @@ def _copy_pass_through(x_tile, y_tile, stride_xd, stride_yd, mask, head_dim, rot
 
 @triton.jit
 def _sequence_of(cu_seqlens_ptr, token, n_seqs, cp_size):
-    """Each token's sequence: the last i with cu_seqlens[i] / cp_size <= token, by binary search (entries cached)."""
+    """Each token's sequence: the last i with cu_seqlens[i] / cp_size <= token, by binary search (probes cached)."""
     lo = tl.zeros_like(token)
     hi = lo + n_seqs  # invariant: cu_seqlens[lo] <= token < cu_seqlens[hi] (divided by cp_size)
     while tl.max(hi - lo, axis=0) > 1:
@@ -290,7 +291,7 @@ def rope_kernel(
         if HAS_K:
             _store_rotated(k_out_rows + hk * stride_koh, stride_kod, k_mask, k_a, k_b, k_angles, rot_dim, BLOCK_S,
                            BLOCK_HK, HALF, INTERLEAVED)
-        if COPY_PASS:  # channels d2: pass through (the gradient too: dx = dy there)
+        if COPY_PASS:  # channels d2..d-1 pass through (the gradient too: dx = dy there)
             _copy_pass_through(q_tile, q_out_tile, stride_qd, stride_qod, q_mask, head_dim, rot_dim, PASS)
             if HAS_K:
                 _copy_pass_through(k_rows + hk * stride_kh, k_out_rows + hk * stride_koh, stride_kd, stride_kod,
@@ -308,7 +309,7 @@ def rope_kernel(
 # shapes only) keeps the graph whole, the kernel opaque. Either way: pure tensor work, no host syncs.
 
 
-def _next_pow2(n):  # plain Python: triton.next_power_of_2 is slow to call in Triton 3.9
+def _next_pow2(n):  # plain Python: cheaper on the host than triton.next_power_of_2
     return 1 << (int(n) - 1).bit_length()
 
 
@@ -327,7 +328,7 @@ def _launch(kernel, q, q_out, k, k_out, freqs, angles_shared, cu_seqlens, start_
     launch. Fused QKV: q heads a group (q_groups, in and out), where k and v start in the packed tensor (cols)."""
     (batch, seqlen, _, head_dim), _ = _layout(q_out if cols[0] else q, tensor_format)  # not the packed qkv
     rot_dim, n_heads = freqs.shape[3], (q.shape[-2] * q_groups[0], (k if k is not None else q).shape[-2])
-    if q.numel() == 0 or kernel is None:
+    if kernel is None or q.numel() + (k.numel() if k is not None else 0) == 0:
         return
     half, blocks = _next_pow2(rot_dim // 2), [max(1, _next_pow2(n) // 4) for n in n_heads]  # heads in ~4 steps (02)
     # one token a program; thd walks the packed tokens
@@ -406,7 +407,7 @@ _rope = _register("rope", _rope_impl)
 # ------------------------------------------------------------------------------------------
 # Shapes, dtypes and devices are checked on every call. The values of cu_seqlens and start_positions live on
 # the GPU: reading them costs a host sync, so (as in 02) the verdict is kept for the last tensors seen, and
-# compiled code skips the check (the kernel masks angle rows past the table). The "halves equal" flag likewise.
+# compiled code skips the check (the kernel masks angle rows past the table). The "halves equal" flag is kept too.
 
 
 _last_results = {}  # what -> (key, weak references to the tensors, result)
@@ -443,7 +444,7 @@ def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions, c
     return True
 
 
-def _angles_shared(freqs, interleaved):
+def _angles_shared(freqs, interleaved, what="angles shared"):
     """int32 [1] on the device: 1 if f_b == f_a everywhere (a true rotation table), no sync."""
     def compute():
         f = freqs[:, 0, 0]
@@ -451,7 +452,7 @@ def _angles_shared(freqs, interleaved):
         return (f_a == f_b).all().to(torch.int32).reshape(1)
     if torch.compiler.is_compiling():  # traced into the graph; the memo is eager-only
         return compute()
-    return _remember("angles shared", (freqs,), (interleaved,), compute)
+    return _remember(what, (freqs,), (interleaved,), compute)
 
 
 def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions, cp_size=1, cp_rank=0):
@@ -531,17 +532,15 @@ class _ApplyRoPE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         dx = _ApplyRoPE.apply(*grads, *[None] * (3 - len(grads)), *ctx.saved_tensors, *ctx.args)
-        return (*dx, *[None] * (15 - len(dx)))
+        return (*dx, *[None] * (len(ctx.needs_input_grad) - len(dx)))
 
 
 def _apply(tensors, names, freqs, tensor_format, start_positions, interleaved, cu_seqlens, backward=False,
            cp_size=1, cp_rank=0):
-    """Checks, then the autograd Function (forward) or the kernel alone (rope_bwd, rope_bwd_qk)."""
+    """Checks, then the autograd Function, either direction (rope_bwd, rope_bwd_qk: the transposed rotation)."""
     _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions, cp_size, cp_rank)
     args = (tensors[0], tensors[1] if len(tensors) == 2 else None, None, freqs, None, _angles_shared(freqs, interleaved),
             None, cu_seqlens, start_positions, tensor_format, interleaved, backward, cp_size, cp_rank, 0)
-    if backward:
-        return tuple(_rope(*args))
     _refuse_grad_to(freqs, "freqs")
     return _ApplyRoPE.apply(*args)
 
@@ -564,7 +563,8 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
     interleaved: rotate pairs (x0, x1), (x2, x3), ... (RoFormer, GPT-J) instead of halves.
     fused: accepted for TE compatibility and ignored: this is always one fused kernel.
     cu_seqlens: int32 [b + 1], thd only; with cp_size > 1 the full sequences' offsets (lengths multiples of 2 cp_size).
-    cp_size, cp_rank: context parallelism: t holds rank cp_rank's two chunks of each sequence (see above).
+    cp_size, cp_rank: context parallelism: t holds rank cp_rank's two chunks of each sequence (see above);
+        start_positions shift the whole sequences' positions (TE refuses start_positions with cp_size > 1).
     Returns a new contiguous tensor shaped like t. Works under torch.compile(fullgraph=True) and autocast.
     """
     return _apply([t], ("t",), freqs, tensor_format, start_positions, interleaved, cu_seqlens, False, cp_size,
@@ -601,8 +601,8 @@ def apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, qkv_split_arg_list, te
         raise ValueError("k_freqs must be a tensor of q_freqs' shape, dtype and device")
     _refuse_grad_to(q_freqs, "q_freqs"), _refuse_grad_to(k_freqs, "k_freqs")
     return _ApplyRoPE.apply(qkv, None, None, q_freqs, k_freqs, _angles_shared(q_freqs, interleaved),
-                            _angles_shared(k_freqs, interleaved), None, start_positions, tensor_format, interleaved, False,
-                            cp_size, cp_rank, split[0])
+                            _angles_shared(k_freqs, interleaved, "k angles shared"), None, start_positions,
+                            tensor_format, interleaved, False, cp_size, cp_rank, split[0])
 
 
 def rope_bwd(grad_out, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None, start_positions=None):

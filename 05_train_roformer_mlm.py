@@ -64,10 +64,10 @@ def parse_args(argv=None):
     """The settings, checked here before any work: a bad one ends the run with one line naming it."""
     p = argparse.ArgumentParser(description="Pretrain a RoFormer masked LM on the collection's kernels.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.error, add, on_gpu = sys.exit, p.add_argument, torch.cuda.is_available()  # argparse's errors: one line too
+    p.error, add, on_gpu = sys.exit, p.add_argument, torch.cuda.is_available()  # argparse's errors: one line, exit 1
     add("--attn", choices=ATTN_PATHS, default="fused" if on_gpu else "torch",
         help="RoPE + attention; fused with a GPU (on a CPU the kernel paths run in Triton's interpreter: slowly)")
-    add("--data", help="a text file (its bytes are the tokens); None: the Python standard library's source")
+    add("--data", type=os.path.abspath, help="a text file (its bytes are the tokens); None: the stdlib's source")
     add("--out", default="out-roformer", help="folder for one run's checkpoints and logs")
     add("--init-from", help="a Hugging Face RoFormer checkpoint directory")
     add("--resume", action="store_true", help="continue the run in --out (from ckpt.pt, or ckpt-prev.pt if need be)")
@@ -103,7 +103,7 @@ def parse_args(argv=None):
             (binary > 0.1, f"--data {args.data}: {binary:.0%} of its first MiB is NUL or not UTF-8 (binary?)"),
             (args.hidden % (2 * args.heads), f"--hidden {args.hidden} must be a multiple of 2 x --heads {args.heads}"),
             (args.attn == "fused" and not 16 <= d <= 128, f"--attn fused takes head dims of 16-128, not {d}"),
-            (args.seq_len > cfg.max_position_embeddings,
+            (not args.bench and args.seq_len > cfg.max_position_embeddings,  # --bench makes its own model
              f"--seq-len {args.seq_len} is over the model's {cfg.max_position_embeddings} positions"),
             (cfg.vocab_size < VOCAB, f"--init-from: a vocabulary of {cfg.vocab_size}, under 05's {VOCAB} tokens"),
             (unknown, f"--bench-paths: {', '.join(sorted(unknown))} not among {', '.join(paths)}")):
@@ -118,7 +118,7 @@ def parse_args(argv=None):
             tempfile.TemporaryFile(dir=args.out).close()
         except OSError as e:
             sys.exit(f"--out {args.out}: not writable ({e.strerror or e})")
-        run = [f for f in ("ckpt.pt", "ckpt-prev.pt", "log.csv") if os.path.exists(os.path.join(args.out, f))]
+        run = [f for f in ("ckpt.pt", "ckpt-prev.pt") if os.path.exists(os.path.join(args.out, f))]  # log.csv: remade
         if run and not args.resume:
             sys.exit(f"--out {args.out} holds a run ({', '.join(run)}): go on with --resume, or choose another --out")
         args.checkpoint = args.resume and read_checkpoint(args, dataclasses.asdict(cfg))  # read once

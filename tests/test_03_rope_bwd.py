@@ -356,3 +356,14 @@ def test_context_parallel_and_fused_qkv_errors():
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
             call()
+
+
+def test_no_silent_outputs_or_gradients():
+    """q with no heads still rotates k (nothing left unwritten); rope_bwd on a gradient that requires grad returns
+    one that does (its own gradient is the forward rotation), as apply_rotary_pos_emb does."""
+    freqs = rope.rope_freqs(8, 16, device=DEVICE)
+    q, k = torch.randn(1, 6, 0, 16, device=DEVICE), torch.randn(1, 6, 2, 16, device=DEVICE)
+    torch.testing.assert_close(rope.apply_rotary_pos_emb_qk(q, k, freqs, "bshd")[1], rope.rope_reference(k, freqs, "bshd"))
+    dy = torch.randn(1, 6, 2, 16, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    assert rope.rope_bwd(dy, freqs, "bshd").requires_grad
+    assert torch.autograd.gradcheck(lambda g: rope.rope_bwd(g, freqs, "bshd"), (dy,), fast_mode=True)

@@ -589,9 +589,15 @@ def test_an_out_that_holds_a_run_is_refused_without_resume(tmp_path):
     out = tmp_path / "run"
     train.main(["--out", str(out), "--max-steps", "2", "--ckpt-interval", "2"] + TINY)
     before = {f: (out / f).read_bytes() for f in os.listdir(out)}
-    with pytest.raises(SystemExit, match=r"holds a run \(ckpt.pt, log.csv\): go on with --resume, or choose another"):
+    with pytest.raises(SystemExit, match=r"holds a run \(ckpt.pt\): go on with --resume, or choose another"):
         train.main(["--out", str(out), "--max-steps", "2"] + TINY)
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before  # nothing replaced
+    (tmp_path / "early").mkdir()  # a run stopped before its first checkpoint leaves a log only: no run to resume
+    (tmp_path / "early" / "log.csv").write_text("step,loss\n")
+    assert train.parse_args(["--out", str(tmp_path / "early")]).out == str(tmp_path / "early")
+    data = os.path.relpath(__file__)  # one file, one name: --resume compares it
+    assert train.parse_args(["--data", data, "--out", str(tmp_path / "d")]).data == os.path.abspath(__file__)
+    assert train.parse_args(["--bench", "--seq-len", "2048"]).seq_len == 2048  # --bench builds a model to fit
     (tmp_path / "a-file").write_text("")
     for unwritable in (tmp_path / "a-file", tmp_path / "a-file" / "run"):  # found at the start, not at a save
         with pytest.raises(SystemExit, match=f"^--out {unwritable}: not writable"):
