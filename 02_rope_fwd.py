@@ -10,7 +10,8 @@ In this tutorial, you will learn about:
 * why the eager formula moves about 4.5x the bytes it needs, and a kernel that reads and writes
   each element once, at any strides (a slice of a packed qkv, a transposed view), with 64-bit
   offsets, head dims up to 256 (80 and 96 too), any head count, and q and k (GQA) in one launch;
-* checking values that live on the GPU (``cu_seqlens``) without a host sync on every call;
+* checking values that live on the GPU (``cu_seqlens``) without a host sync on every call, and an eager call
+  that costs about four empty ops: checks and the compiled kernel kept per signature of the arguments;
 * an opaque ``torch.library.custom_op`` that writes its outputs, for ``torch.compile(fullgraph=True)``;
 * measuring a memory-bound kernel against the copy bandwidth of the same GPU, in the same run.
 
@@ -245,13 +246,50 @@ def rope_fwd_kernel(
 # layer of a batch share those tensors, so the verdict is kept for the last tensors seen (by identity and
 # version counter, which in-place writes bump), like the table's "halves equal" flag: a batch pays once.
 #
+# On small tensors the GPU waits for the host: the kernel runs for microseconds, the Python before its launch
+# for longer. Triton's ``kernel[grid](...)`` binds and specializes its 45 arguments on every call, and our checks
+# and launch parameters would be rebuilt each time, yet all of it depends only on the call's signature: the
+# tensors' shapes, strides, dtypes, devices and 16-byte alignment (Triton specializes pointers on it). So the
+# checks run once per signature, and its later calls launch the compiled kernel directly (what a call costs:
+# results/03_rope_bwd_H100.md).
+#
 # Under torch.compile the launch is a torch.library.custom_op that writes its outputs (mutates_args), one
-# opaque node for fullgraph=True; eager calls launch directly (03 measures what the dispatcher would add).
-# A graph must not sync, so compiled calls skip the value checks, and in thd the grid covers a bound on
-# the longest sequence, min(tokens, rows of freqs): programs past a sequence's end return at once.
+# opaque node for fullgraph=True. A graph must not sync, so compiled calls skip the value checks, and in thd
+# the grid covers a bound on the longest sequence, min(tokens, rows of freqs): programs past a sequence's end
+# return at once.
+
+_checked, _launches, _last_results = {}, {}, {}
 
 
-_last_results = {}  # what -> (key, weak references to the tensors, result)
+def _signature(*args):
+    """Each tensor's shape, strides, dtype, device and alignment; any other argument with its type."""
+    return tuple([(x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16) if isinstance(x, torch.Tensor)
+                  else (type(x), x) for x in args])
+
+
+def _once(cache, key, compute):
+    """compute(), once per key; not kept if it raised (or the key is unhashable: a bad argument, named by the check)."""
+    try:
+        return cache[key]
+    except (KeyError, TypeError):
+        pass
+    if len(cache) >= 4096:  # a workload of ever new shapes starts over
+        cache.clear()
+    cache[key] = value = compute()
+    return value
+
+
+def _launch_cached(kernel, key, tensors, plan):
+    """kernel[grid](*tensors, *scalars, **constexprs) with (grid, scalars, constexprs) = plan(): the first call with a
+    key goes through Triton, later ones straight to the compiled kernel (key False, or the interpreter: always Triton)."""
+    launch = key and _launches.get((kernel, key))
+    if launch:
+        return launch[0](*tensors, *launch[1])
+    grid, scalars, constexprs = plan()
+    compiled = kernel[grid](*tensors, *scalars, **constexprs)
+    if key and isinstance(compiled, triton.compiler.CompiledKernel):  # it takes all arguments in order, constexprs too
+        _once(_launches, (kernel, key), lambda: (compiled[(*grid, 1, 1)[:3]], (*scalars, *[
+            constexprs[name] for name in kernel.arg_names if name in constexprs])))
 
 
 def _remember(what, tensors, extra_key, compute):
@@ -307,7 +345,7 @@ def _check_outs(tensors, outs, names):
     """Each output given matches its input and is that input (in place) or shares no memory with any input (the
     kernel loads q and k before storing either: an overlap would race). Returns the outputs, and if all in place."""
     if all(out is None for out in outs):  # fresh outputs cannot overlap anything
-        return [x.new_empty(x.shape) for x in tensors], False  # contiguous, as TransformerEngine's
+        return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in tensors], False  # as TE's
     outs = [x.new_empty(x.shape) if o is None else o for x, o in zip(tensors, outs)]
     out_names = ["out"] if len(outs) == 1 else [n + "_out" for n in names]
     in_place, tracing = [], torch.compiler.is_compiling()
@@ -333,10 +371,11 @@ def _next_pow2(n):  # plain Python: triton.next_power_of_2 is slow on the host i
     return 1 << (n - 1).bit_length()
 
 
-def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_positions):
+def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions):
+    """The checks that read no tensor's values. Returns the sequence length and whether some channels pass through."""
     if tensor_format not in TENSOR_FORMATS:
         raise ValueError(f"tensor_format must be one of {TENSOR_FORMATS}, got {tensor_format!r}")
-    names, rank = ("t",) if len(tensors) == 1 else ("q", "k"), 3 if tensor_format == "thd" else 4
+    rank = 3 if tensor_format == "thd" else 4
     for x, name in zip(tensors, names):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -344,8 +383,6 @@ def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_po
             raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
         if x.dim() != rank:
             raise ValueError(f"{name} must have {rank} dims for tensor_format='{tensor_format}', got shape {tuple(x.shape)}")
-        if x.requires_grad and torch.is_grad_enabled():  # the output could not carry a gradient back to x
-            raise ValueError(f"{name} requires grad, but 02 has no backward: use 03's apply_rotary_pos_emb, or no_grad")
     t = tensors[0]
     if not isinstance(freqs, torch.Tensor):
         raise TypeError(f"freqs must be a torch.Tensor, got {type(freqs).__name__}")
@@ -385,19 +422,29 @@ def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_po
             raise TypeError("start_positions must be an int32 or int64 tensor")
         if start_positions.shape != (batch,):
             raise ValueError(f"start_positions must have shape [b] = [{batch}], got {tuple(start_positions.shape)}")
-    if torch.compiler.is_compiling():  # no host sync in a graph: values unchecked, the longest sequence bounded
+    return seqlen, rot_dim < head_dim
+
+
+def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_positions):
+    names, tracing = ("t",) if len(tensors) == 1 else ("q", "k"), torch.compiler.is_compiling()
+    check = lambda: _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions)  # noqa: E731
+    seqlen, partial = check() if tracing else _once(_checked, _signature(
+        *tensors, freqs, cu_seqlens, start_positions, tensor_format), check)
+    for x, name in zip(tensors, names):
+        if x.requires_grad and torch.is_grad_enabled():  # the output could not carry a gradient back to x
+            raise ValueError(f"{name} requires grad, but 02 has no backward: use 03's apply_rotary_pos_emb, or no_grad")
+    t, k, max_positions = tensors[0], tensors[1] if len(tensors) == 2 else None, freqs.shape[0]
+    if tracing:  # no host sync in a graph: values unchecked, the longest sequence bounded
         seqlen = min(t.shape[0], max_positions) if tensor_format == "thd" else seqlen
     elif cu_seqlens is not None or start_positions is not None:
         checked = tuple(x for x in (cu_seqlens, start_positions) if x is not None)
         args = (cu_seqlens, start_positions, seqlen, t.shape[0], max_positions)
         seqlen = _remember("values checked", checked, args[2:], lambda: _read_values(*args))
-
     outs, in_place = _check_outs(tensors, outs, names)
-    k = tensors[1] if len(tensors) == 2 else None
     if t.numel() and seqlen:
-        (_rope_op if torch.compiler.is_compiling() else _launch)(
-            t, outs[0], k, outs[-1] if k is not None else None, freqs, _angles_shared(freqs, interleaved), cu_seqlens,
-            start_positions, seqlen, tensor_format, interleaved, rot_dim < head_dim and not in_place)
+        args = (t, outs[0], k, outs[-1] if k is not None else None, freqs, _angles_shared(freqs, interleaved),
+                cu_seqlens, start_positions, seqlen, tensor_format, interleaved, partial and not in_place)
+        (_rope_op if tracing else _launch)(*args)
     return outs
 
 
@@ -406,24 +453,26 @@ def _launch(q: torch.Tensor, q_out: torch.Tensor, k: Optional[torch.Tensor], k_o
             start_positions: Optional[torch.Tensor], seqlen: int, tensor_format: str, interleaved: bool,
             copy_pass: bool) -> None:
     """Write RoPE(q) into q_out (and RoPE(k) into k_out); seqlen: the longest sequence, or a bound on it."""
-    (batch, _, _, head_dim), _ = _layout(q, tensor_format)
-    batch = cu_seqlens.numel() - 1 if tensor_format == "thd" else batch
-    rot_dim, half = freqs.shape[3], _next_pow2(freqs.shape[3] // 2)
-    k, k_out = (k, k_out) if k is not None else (q, q_out)
-    n_heads = (q.shape[-2], k.shape[-2])
-    # One token per program, its heads in four unrolled steps, few warps: many small programs keep the most
-    # bytes in flight per multiprocessor (a sweep of BLOCK_S x BLOCK_H x warps: results/02_rope_fwd_sweep.log).
-    block_h = max(1, _next_pow2(max(n_heads)) // 4)
-    rope_fwd_kernel[(batch * seqlen,)](
-        q, q_out, k, k_out, freqs, angles_shared, cu_seqlens if cu_seqlens is not None else freqs,
-        start_positions if start_positions is not None else freqs,
-        batch, seqlen, seqlen, n_heads[0], n_heads[1], head_dim, rot_dim, freqs.shape[0],
-        *[s for x in (q, q_out, k, k_out) for s in _layout(x, tensor_format)[1]], freqs.stride(0), freqs.stride(3),
-        BLOCK_S=1, BLOCK_H=block_h, num_warps=2 if block_h * half <= 128 else 4, HALF=half,
-        PASS=_next_pow2(max(head_dim - rot_dim, 1)), N_HEAD_BLOCKS=-(-max(n_heads) // block_h),
-        INTERLEAVED=interleaved, IS_THD=tensor_format == "thd", HAS_START_POSITIONS=start_positions is not None,
-        HAS_K=k is not q, COPY_PASS=copy_pass, BATCH_FASTEST=tensor_format == "sbhd",
-    )
+    has_k, (k, k_out) = k is not None, (k, k_out) if k is not None else (q, q_out)
+    tensors = (q, q_out, k, k_out, freqs, angles_shared, cu_seqlens if cu_seqlens is not None else freqs,
+               start_positions if start_positions is not None else freqs)  # (freqs stands in for those absent)
+
+    def plan():  # the grid, the integer arguments and the constexprs
+        (batch, _, _, head_dim), _ = _layout(q, tensor_format)
+        batch = cu_seqlens.numel() - 1 if tensor_format == "thd" else batch
+        rot_dim, half, n_heads = freqs.shape[3], _next_pow2(freqs.shape[3] // 2), (q.shape[-2], k.shape[-2])
+        # One token per program, its heads in four unrolled steps, few warps: many small programs keep the most
+        # bytes in flight per multiprocessor (a sweep of BLOCK_S x BLOCK_H x warps: results/02_rope_fwd_sweep.log).
+        block_h = max(1, _next_pow2(max(n_heads)) // 4)
+        return (batch * seqlen,), (
+            batch, seqlen, seqlen, *n_heads, head_dim, rot_dim, freqs.shape[0],
+            *[s for x in tensors[:4] for s in _layout(x, tensor_format)[1]], freqs.stride(0), freqs.stride(3)), dict(
+            BLOCK_S=1, BLOCK_H=block_h, num_warps=2 if block_h * half <= 128 else 4, HALF=half,
+            PASS=_next_pow2(max(head_dim - rot_dim, 1)), N_HEAD_BLOCKS=-(-max(n_heads) // block_h),
+            INTERLEAVED=interleaved, IS_THD=tensor_format == "thd", HAS_START_POSITIONS=start_positions is not None,
+            HAS_K=has_k, COPY_PASS=copy_pass, BATCH_FASTEST=tensor_format == "sbhd")
+    _launch_cached(rope_fwd_kernel, _signature(q, q_out, k, k_out, freqs, cu_seqlens, start_positions, has_k, seqlen,
+                                               tensor_format, interleaved, copy_pass), tensors, plan)
 
 
 def _register_op():
@@ -504,10 +553,8 @@ TIMED = ("bf16 q and k. Each cell is GPU time, the median of `triton.testing.do_
          "fraction of a device-to-device copy of the same bytes, in the same run.")
 
 
-def _us(fn, eager_call=False):
-    """Median us per call: GPU work replayed from a CUDA graph, or (eager_call) ten calls in a row timed as one, so
-    that do_bench's L2 clearing before each timed call cannot hide their host cost. No GPU: one call, timed."""
-    if DEVICE.type != "cuda":
+def _us(fn, eager_call=False):  # median us: a CUDA-graph replay, or ten eager calls in a row (do_bench's clearing of
+    if DEVICE.type != "cuda":  # L2 would otherwise hide their host cost); no GPU: one call, timed
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e6
@@ -516,25 +563,29 @@ def _us(fn, eager_call=False):
     return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
 
 
+def _peers():  # Liger's and flash-attention's rotary, where importable
+    try:
+        from liger_kernel.ops.rope import rope_forward as liger
+    except ImportError as e:
+        liger = print(f"(Liger-Kernel not importable, its column is skipped: {e})")
+    try:
+        from flash_attn.ops.triton.rotary import apply_rotary as flash
+    except ImportError as e:
+        flash = print(f"(flash-attention's rotary not importable, its column is skipped: {e})")
+    return liger, flash
+
+
 def benchmark():
-    on_gpu, table, liger, flash = DEVICE.type == "cuda", [], None, None
+    on_gpu, table = DEVICE.type == "cuda", []
     eager = lambda q, k, f, **kw: (rope_reference(q, f, compute_dtype=None, **kw),  # noqa: E731
                                    rope_reference(k, f, compute_dtype=None, **kw))  # TE's unfused formula
-    if on_gpu:
+    if on_gpu:  # compiled per shape (dynamic=False): a shape seen second would otherwise get dynamic-shape kernels
         torch._dynamo.config.cache_size_limit = 64  # one graph per shape and layout
-        # compiled per shape (dynamic=False): a shape seen second would otherwise get dynamic-shape kernels
         ours_compiled, eager_compiled = (torch.compile(f, fullgraph=True, dynamic=False) for f in (rope_fwd_qk, eager))
-        try:
-            from liger_kernel.ops.rope import rope_forward as liger
-        except ImportError as e:
-            print(f"(Liger-Kernel not importable, its column is skipped: {e})")
-        try:
-            from flash_attn.ops.triton.rotary import apply_rotary as flash
-        except ImportError as e:
-            print(f"(flash-attention's rotary not importable, its column is skipped: {e})")
     else:
         print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
               "show that the benchmark runs; they say nothing about speed.")
+    liger, flash = _peers() if on_gpu else (None, None)
     for b, s, h, d in BENCH_SHAPES if on_gpu else CPU_SHAPES:
         freqs = rope_freqs(s, d, device=DEVICE)
         q, k = (torch.randn(b, s, h, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
@@ -569,30 +620,44 @@ def benchmark():
                 f"{us[n]:.1f} us" + f" ({100 * us['copy'] / us[n]:.0f}%)" * on_gpu if n in us else "n/a"
                 for n in columns) + " |")
             print(table[-1])
-    return "\n".join(table)
+    return "\n".join(table + (["", host_cost()] if on_gpu else []))
+
+
+def host_cost(rounds=7, calls=200):  # 03's table, for this file's call: the GPU waits for the host
+    x, freqs = torch.randn(1, 128, 2, 64, device=DEVICE, dtype=torch.bfloat16), rope_freqs(128, 64, device=DEVICE)
+    times = {"empty op (x + 1)": [], "rope_fwd_qk": []}
+    for _, name in itertools.product(range(rounds), times):
+        fn = (lambda: x + 1) if name[0] == "e" else (lambda: rope_fwd_qk(x, x, freqs, "bshd"))
+        fn(), torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times[name].append((time.perf_counter() - start) / calls * 1e6)
+    (empty, ours) = (sorted(t)[rounds // 2] for t in times.values())
+    return (f"Host cost of an eager call at (1, 128, 2, 64) bf16, bshd (200 calls in a row, one sync, median of 7 "
+            f"interleaved rounds): rope_fwd_qk {ours:.1f} us, an empty op (x + 1) {empty:.1f} us: {ours / empty:.1f} "
+            "empty ops.")
 
 
 def write_page(results_dir, table):
     """results/<script>_<GPU kind>.md: title, environment, command, what is timed, the table, the raw log's name."""
-    here, script = os.path.split(os.path.abspath(__file__))
-    gpu = torch.cuda.get_device_name()
+    (here, script), gpu = os.path.split(os.path.abspath(__file__)), torch.cuda.get_device_name()
     stem = script[:-3] + "_" + next((w for w in gpu.split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
     commit = os.popen(f'git -C "{here}" rev-parse --short HEAD 2>{os.devnull}').read().strip() or "n/a"
-    md5 = hashlib.md5(open(__file__, "rb").read()).hexdigest()[:8]
     os.makedirs(results_dir, exist_ok=True)
     with open(os.path.join(results_dir, stem + ".md"), "w") as f:
-        f.write(f"# {__doc__.splitlines()[1]}\n\ndevice: {gpu}; date: {time.strftime('%Y-%m-%d')}; "
-                f"torch {torch.__version__}; triton {triton.__version__}; python {sys.version.split()[0]}; "
-                f"commit {commit}; {script} md5 {md5}\n\nCommand: `python {' '.join(sys.argv)}`\n\n"
-                f"{TIMED}\n\n{table}\n\nRaw log: `{stem}.log`.\n")
+        f.write(f"# {__doc__.splitlines()[1]}\n\ndevice: {gpu}; date: {time.strftime('%Y-%m-%d')}; torch "
+                f"{torch.__version__}; triton {triton.__version__}; python {sys.version.split()[0]}; commit {commit}; "
+                f"{script} md5 {hashlib.md5(open(__file__, 'rb').read()).hexdigest()[:8]}\n\nCommand: `python "
+                f"{' '.join(sys.argv)}`\n\n{TIMED}\n\n{table}\n\nRaw log: `{stem}.log`.\n")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                         help="folder for the page (written only on a GPU)")
-    args = parser.parse_args()
-    self_check()
+    args, _ = parser.parse_args(), self_check()
     table = benchmark()
     if DEVICE.type == "cuda":
         write_page(args.results, table)

@@ -12,7 +12,8 @@ In this tutorial, you will learn about:
   each row alone); dq by a second kernel that loops the other way, in a fixed order, rather than by atomics;
 * online softmax with key-padding and causal masks, grouped-query attention, odd lengths, head dims that are not
   powers of two, partial rotary, both pairings, packed qkv;
-* opaque ``torch.library.custom_op``s that ``torch.compile(fullgraph=True)`` takes whole;
+* opaque ``torch.library.custom_op``s that ``torch.compile(fullgraph=True)`` takes whole, and an eager path that
+  skips the dispatcher;
 * benchmarking against 03's RoPE followed by SDPA (cuDNN, flash) and FlexAttention, eager and compiled.
 
 Run ``python 04_rope_attention.py``: it checks itself against a float32 PyTorch reference, then benchmarks. This
@@ -25,13 +26,11 @@ file imports only torch and triton: copy it alone into your project.
 # With no GPU, run the kernels through Triton's interpreter; the variable must be set before
 # triton is imported.
 import argparse
-import datetime
 import hashlib
 import importlib.util
+import itertools
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 from typing import List, Optional, Tuple
@@ -123,14 +122,10 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # Both kernels subtract delta = rowsum(dO * O) from dP: the dq kernel runs first and computes it next to the dO tile
 # it loads anyway, for the dkdv kernel to read (a launch and a read of dO fewer than a kernel of its own).
 #
-# What did not help (results/04_rope_attention_ab.log):
-# - rotating each K tile inside the loops, with no pass: the forward faster on short sequences and slower on long
-#   ones, forward + backward slower everywhere;
-# - rotating q again in the backward instead of saving rq: a faster forward, a slower forward + backward (the
-#   write moves into a kernel bound by bytes);
-# - sin and cos per element in each prologue instead of the table;
-# - FlashAttention 2's d(Rq), added by the first kernel into a float32 sum as large as q with atomics: slower at
-#   every benchmark shape; one launch per block of keys, which would fix their order, leaves too few programs.
+# What did not help (results/04_rope_attention_ab.log): rotating each K tile inside the loops, with no pass (slower
+# forward + backward everywhere); rotating q again in the backward instead of saving rq (the write moves into a
+# kernel bound by bytes); sin and cos per element instead of the table; FlashAttention 2's d(Rq) summed with atomics
+# into a float32 buffer as large as q (slower at every benchmark shape).
 
 # %%
 # The kernels
@@ -462,6 +457,43 @@ CONFIGS = {
 }
 PASS_CONFIG = dict(ROWS=64, num_warps=4)  # rows (positions x heads) per program of the rotation pass
 INT32_LIMIT = 2**31  # offsets within a head that could reach this are int64 (WIDE); a test lowers it
+_checked, _launches = {}, {}
+# An eager call on small tensors is bound by the host. Triton's ``kernel[grid](...)`` binds and specializes some
+# forty arguments on every call, and the checks and launch parameters would be rebuilt each time, yet all of it
+# depends only on the call's signature: shapes, strides, dtypes, devices, 16-byte alignment (which Triton
+# specializes pointers on) and the options. So (as in 02 and 03) the checks run once per signature, later launches go
+# straight to the compiled kernel, and eager calls skip the dispatcher (results/04_rope_attention_H100.md: host cost).
+
+
+def _signature(*args):
+    """Each tensor's shape, strides, dtype, device and alignment; any other argument with its type."""
+    return tuple([(x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16) if isinstance(x, torch.Tensor)
+                  else (type(x), x) for x in args])
+
+
+def _once(cache, key, compute):
+    """compute(), once per key; not kept if it raised (or the key is unhashable: a bad argument, named by the check)."""
+    try:
+        return cache[key]
+    except (KeyError, TypeError):
+        pass
+    if len(cache) >= 4096:  # a workload of ever new shapes starts over
+        cache.clear()
+    cache[key] = value = compute()
+    return value
+
+
+def _launch_cached(kernel, key, tensors, plan):
+    """kernel[grid](*tensors, *scalars, **constexprs) with (grid, scalars, constexprs) = plan(): the first call with a
+    key goes through Triton, later ones straight to the compiled kernel (key False, or the interpreter: always Triton)."""
+    launch = key and _launches.get((kernel, key))
+    if launch:
+        return launch[0](*tensors, *launch[1])
+    grid, scalars, constexprs = plan()
+    compiled = kernel[grid](*tensors, *scalars, **constexprs)
+    if key and isinstance(compiled, triton.compiler.CompiledKernel):  # it takes all arguments in order, constexprs too
+        _once(_launches, (kernel, key), lambda: (compiled[(*grid, 1, 1)[:3]], (*scalars, *[
+            constexprs[name] for name in kernel.arg_names if name in constexprs])))
 
 
 def _config(kernel, head_dim, seqlen=0, causal=False, masked=False):
@@ -510,7 +542,8 @@ def _forward_fake(qkv, freqs, key_mask, sm_scale, causal, interleaved, save_rota
     dims = _dims(q, k, freqs.shape[3])
     b, s, h, h_kv, w = (dims[key] for key in ("batch", "seqlen", "n_heads", "n_kv_heads", "W"))
     rq = q.new_empty(b, h, s, w) if save_rotated else q.new_empty(0)
-    return (q.new_empty(q.shape), q.new_empty(b, h, s, dtype=torch.float32), rq, q.new_empty(b, h_kv, s, w),
+    return (torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(b, h, s, dtype=torch.float32), rq,
+            q.new_empty(b, h_kv, s, w),
             q.new_empty(s, 4 * dims["HALF"], dtype=torch.float32))
 
 
@@ -518,19 +551,29 @@ def _forward(qkv: List[Tensor], freqs: Tensor, key_mask: Optional[Tensor], sm_sc
              interleaved: bool, save_rotated: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The forward op: qkv is [q, k, v], or [qkv] packed as [b, s, 3, h, d]."""
     q, k, v = qkv if len(qkv) == 3 else qkv[0].unbind(2)
-    dims = _dims(q, k, freqs.shape[3])
-    s, h, h_kv = dims["seqlen"], dims["n_heads"], dims["n_kv_heads"]
     o, lse, rq, rk, trig = _forward_fake(qkv, freqs, key_mask, sm_scale, causal, interleaved, save_rotated)
-    heads = min(_pow2(h_kv, 1), PASS_CONFIG["ROWS"])  # the pass: k -> rk, and the cos/sin table
-    rope_pass_kernel[(triton.cdiv(s, PASS_CONFIG["ROWS"] // heads), dims["batch"], triton.cdiv(h_kv, heads))](
-        k, rk, freqs, trig, s, h_kv, dims["half"], dims["n_pass"], *_strides(k), *_strides(rk, order=(0, 2, 1, 3)),
-        freqs.stride(0), freqs.stride(-1), BLOCK_S=PASS_CONFIG["ROWS"] // heads, HEADS=heads, HALF=dims["HALF"],
-        PASS=dims["PASS"], INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0, num_warps=PASS_CONFIG["num_warps"])
-    cfg = _config("fwd", dims["head_dim"], s, causal)
-    rope_attn_fwd_kernel[(triton.cdiv(s, cfg["BLOCK_M"]), dims["batch"] * h)](
-        q, rk, v, o, lse, rq, trig, key_mask if key_mask is not None else lse, sm_scale * LOG2E, s, h, h // h_kv,
-        dims["half"], dims["n_pass"], *_strides(q, v, o), EVEN_N=s % cfg["BLOCK_N"] == 0, SAVE_RQ=save_rotated,
-        **cfg, **_constexprs(dims, causal, interleaved, key_mask, q, v, o))
+    key = _signature(q, k, v, freqs, key_mask, sm_scale, causal, interleaved, save_rotated)
+
+    def plan_pass():  # the pass: k -> rk, and the cos/sin table
+        dims = _dims(q, k, freqs.shape[3])
+        heads = min(_pow2(dims["n_kv_heads"], 1), PASS_CONFIG["ROWS"])
+        return (triton.cdiv(dims["seqlen"], PASS_CONFIG["ROWS"] // heads), dims["batch"],
+                triton.cdiv(dims["n_kv_heads"], heads)), (
+            dims["seqlen"], dims["n_kv_heads"], dims["half"], dims["n_pass"], *_strides(k),
+            *_strides(rk, order=(0, 2, 1, 3)), freqs.stride(0), freqs.stride(-1)), dict(
+            BLOCK_S=PASS_CONFIG["ROWS"] // heads, HEADS=heads, HALF=dims["HALF"], PASS=dims["PASS"],
+            INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0, num_warps=PASS_CONFIG["num_warps"])
+
+    def plan_attention():
+        dims = _dims(q, k, freqs.shape[3])
+        s, h, cfg = dims["seqlen"], dims["n_heads"], _config("fwd", dims["head_dim"], dims["seqlen"], causal)
+        return (triton.cdiv(s, cfg["BLOCK_M"]), dims["batch"] * h), (
+            sm_scale * LOG2E, s, h, h // dims["n_kv_heads"], dims["half"], dims["n_pass"], *_strides(q, v, o)), dict(
+            EVEN_N=s % cfg["BLOCK_N"] == 0, SAVE_RQ=save_rotated, **cfg,
+            **_constexprs(dims, causal, interleaved, key_mask, q, v, o))
+    _launch_cached(rope_pass_kernel, key, (k, rk, freqs, trig), plan_pass)
+    _launch_cached(rope_attn_fwd_kernel, key, (q, rk, v, o, lse, rq, trig, key_mask if key_mask is not None else lse),
+                   plan_attention)
     return o, lse, rq, rk, trig
 
 
@@ -539,7 +582,7 @@ def _backward_fake(do, rq, rk, qkv_or_v, o, lse, trig, key_mask, rot_dim, sm_sca
     if packed:
         return [qkv_or_v.new_empty(qkv_or_v.shape)]
     v, (b, h, s) = qkv_or_v, rq.shape[:3]
-    return [v.new_empty(b, s, h, v.shape[3]), v.new_empty(v.shape), v.new_empty(v.shape)]
+    return [v.new_empty(b, s, h, v.shape[3]), *(torch.empty_like(v, memory_format=torch.contiguous_format) for _ in 'kv')]
 
 
 def _backward(do: Tensor, rq: Tensor, rk: Tensor, qkv_or_v: Tensor, o: Tensor, lse: Tensor, trig: Tensor,
@@ -550,20 +593,21 @@ def _backward(do: Tensor, rq: Tensor, rk: Tensor, qkv_or_v: Tensor, o: Tensor, l
     grads = _backward_fake(do, rq, rk, qkv_or_v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, packed)
     v = qkv_or_v.unbind(2)[2] if packed else qkv_or_v
     dq, dk, dv = grads[0].unbind(2) if packed else grads
-    dims = _dims(dq, dk, rot_dim)
-    b, s, h = dims["batch"], dims["seqlen"], dims["n_heads"]
-    common = _constexprs(dims, causal, interleaved, key_mask, v, do, dq, dk, dv)
-    scalars = (sm_scale * LOG2E, s, h, h // dims["n_kv_heads"], dims["half"], dims["n_pass"])
-    masked, key_mask = key_mask is not None, key_mask if key_mask is not None else lse  # (unused without HAS_MASK)
     delta = torch.empty_like(lse)  # written by the dq kernel, read by the dkdv kernel
-    cfg = _config("dq", dims["head_dim"], masked=masked)
-    rope_attn_bwd_dq_kernel[(triton.cdiv(s, cfg["BLOCK_M"]), b * h)](
-        rq, rk, v, do, o, dq, lse, delta, trig, key_mask, *scalars, *_strides(v, do, o, dq),
-        EVEN_N=s % cfg["BLOCK_N"] == 0, **common, **cfg)
-    cfg = _config("dkdv", dims["head_dim"])
-    rope_attn_bwd_dkdv_kernel[(triton.cdiv(s, cfg["BLOCK_N"]), b * dims["n_kv_heads"])](
-        rq, rk, v, do, dk, dv, lse, delta, trig, key_mask, *scalars, *_strides(v, do, dk, dv),
-        EVEN_M=s % cfg["BLOCK_M"] == 0, EVEN_N=s % cfg["BLOCK_N"] == 0, **common, **cfg)
+    key = _signature(do, rq, rk, qkv_or_v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, packed)
+    shared = (lse, delta, trig, key_mask if key_mask is not None else lse)  # (lse stands in for an absent mask)
+
+    def plan(kernel):
+        dims = _dims(dq, dk, rot_dim)
+        s, h, n_kv_heads = dims["seqlen"], dims["n_heads"], dims["n_kv_heads"]
+        cfg = _config(kernel, dims["head_dim"], masked=key_mask is not None)
+        blocks, heads, outs = (cfg["BLOCK_M"], h, (o, dq)) if kernel == "dq" else (cfg["BLOCK_N"], n_kv_heads, (dk, dv))
+        return (triton.cdiv(s, blocks), dims["batch"] * heads), (
+            sm_scale * LOG2E, s, h, h // n_kv_heads, dims["half"], dims["n_pass"], *_strides(v, do, *outs)), dict(
+            EVEN_N=s % cfg["BLOCK_N"] == 0, **(dict(EVEN_M=s % cfg["BLOCK_M"] == 0) if kernel == "dkdv" else {}),
+            **_constexprs(dims, causal, interleaved, key_mask, v, do, dq, dk, dv), **cfg)
+    _launch_cached(rope_attn_bwd_dq_kernel, key, (rq, rk, v, do, o, dq, *shared), lambda: plan("dq"))
+    _launch_cached(rope_attn_bwd_dkdv_kernel, key, (rq, rk, v, do, dk, dv, *shared), lambda: plan("dkdv"))
     return grads
 
 
@@ -607,6 +651,22 @@ forward_op.register_autograd(  # o's gradient (the other outputs carry none) to 
     setup_context=_save_for_backward)
 
 
+class _RoPEAttention(torch.autograd.Function):
+    """Eager mode's autograd: the ops' functions, called directly (the dispatcher costs more than the launches)."""
+
+    @staticmethod
+    def forward(ctx, *args):  # q, k, v (or packed qkv), freqs, key_mask, sm_scale, causal, interleaved
+        inputs = (list(args[:-5]), *args[-5:], True)
+        output = _forward(*inputs)
+        _save_for_backward(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, *_):
+        return (*_backward(do, *ctx.saved_tensors, *ctx.args), *[None] * 5)
+
+
 # %%
 # Argument checks and the public functions
 # ----------------------------------------
@@ -641,8 +701,6 @@ def _check(q, k, v, freqs, attention_mask, sm_scale):
         raise ValueError(f"freqs' last dim d2 = {freqs.shape[3]} must be even and between 2 and the head dim {head_dim}")
     if freqs.shape[0] < seqlen:
         raise ValueError(f"sequence length {seqlen} is over the {freqs.shape[0]} rows (s2) of freqs")
-    if freqs.requires_grad and torch.is_grad_enabled():
-        raise ValueError("freqs requires grad, but no gradient flows to the angle table; pass freqs.detach()")
     if attention_mask is not None and (attention_mask.dtype.is_floating_point or attention_mask.dtype.is_complex):
         raise TypeError(f"attention_mask must be bool or integer (1 = token, 0 = padding), got {attention_mask.dtype}")
     if attention_mask is not None and attention_mask.shape != (batch, seqlen):
@@ -654,11 +712,19 @@ def _check(q, k, v, freqs, attention_mask, sm_scale):
 
 
 def _attention(qkv, q, k, v, freqs, causal, attention_mask, sm_scale, interleaved):
-    _check(q, k, v, freqs, attention_mask, sm_scale)
+    tracing = torch.compiler.is_compiling()
+    check = lambda: _check(q, k, v, freqs, attention_mask, sm_scale)  # noqa: E731
+    check() if tracing else _once(_checked, _signature(q, k, v, freqs, attention_mask, sm_scale), check)
+    if freqs.requires_grad and torch.is_grad_enabled():
+        raise ValueError("freqs requires grad, but no gradient flows to the angle table; pass freqs.detach()")
     key_mask = attention_mask.to(torch.int8).contiguous() if attention_mask is not None else None
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     save_rotated = torch.is_grad_enabled() and any(x.requires_grad for x in qkv)  # else rq is not written
-    return forward_op(qkv, freqs, key_mask, sm_scale, causal, interleaved, save_rotated)[0]
+    if tracing:
+        return forward_op(qkv, freqs, key_mask, sm_scale, causal, interleaved, save_rotated)[0]
+    if save_rotated:
+        return _RoPEAttention.apply(*qkv, freqs, key_mask, sm_scale, causal, interleaved)[0]
+    return _forward(qkv, freqs, key_mask, sm_scale, causal, interleaved, False)[0]
 
 
 def rope_attention(q, k, v, freqs, *, causal=False, attention_mask=None, sm_scale=None, interleaved=False):
@@ -726,13 +792,16 @@ def self_check():
 # Benchmark
 # ---------
 BENCH_SHAPES = [  # (b, h, s, d, causal, padding mask)
-    (16, 12, 512, 64, False, False), (16, 12, 512, 64, False, True), (8, 16, 2048, 64, False, False),
+    (32, 12, 512, 64, False, False), (16, 12, 512, 64, False, True), (8, 16, 2048, 64, False, False),
     (4, 32, 4096, 128, False, False), (4, 32, 4096, 128, True, False), (2, 16, 8192, 64, True, False)]
 TIMED = ("bf16; ours, and the unfused paths: 03's RoPE (apply_rotary_pos_emb_qk) on q and k, then SDPA (cuDNN, flash) "
          "or FlexAttention compiled per shape. Timing 'graph': GPU time, the calls replayed from a CUDA graph "
          "(triton.testing.do_bench_cudagraph); 'eager call': calls as a user makes them, host cost included "
          "(triton.testing.do_bench); medians. TF/s count 4*b*h*s^2*d FLOPs, halved when causal, x3.5 for forward + "
          "backward; attention is matmuls, so its yardstick is a bf16 8192^3 matmul, timed as 'graph' in the same run.")
+HOST_TIMED = ("Eager calls on tensors so small that the GPU waits for the host: wall time per call of 200 calls in a "
+              "row and one sync, the median of 7 rounds that interleave the calls. 03's RoPE is apply_rotary_pos_emb_qk; "
+              "SDPA its default backend.")
 TABLE_HEADER = ("| (b, h, s, d) | causal | padding mask | provider | timing | fwd TF/s | fwd+bwd TF/s | of the matmul, "
                 "fwd / fwd+bwd |\n" + "|---" * 8 + "|")
 
@@ -767,7 +836,7 @@ def _providers(freqs, causal, mask, rope03, b, s):
                 return torch.nn.functional.scaled_dot_product_attention(
                     *rope_then(q, k), v.transpose(1, 2), is_causal=causal and mask is None,
                     attn_mask=mask[:, None, None, :] if mask is not None else None).transpose(1, 2)
-        fns.append(("03 RoPE + SDPA " + name, run, "graph"))
+        fns += [("03 RoPE + SDPA " + name, run, "graph")] + [("03 RoPE + SDPA cuDNN", run, "eager call")] * (name == "cuDNN")
 
     def mask_mod(b_, h_, q_idx, kv_idx):
         ok = (q_idx >= kv_idx) if causal else (q_idx >= 0)
@@ -803,42 +872,71 @@ def benchmark(rope03, yardstick):
     return rows
 
 
-def write_page(rows, env, yardstick, results_dir):
-    """results_dir/04_rope_attention_<GPU>.md; its raw log is this run's stdout, teed beside it."""
-    kind = next((w for w in torch.cuda.get_device_name().split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
+class _Identity(torch.autograd.Function):  # autograd's own cost: a Function that launches nothing
+    forward = staticmethod(lambda ctx, *xs: tuple(x.new_empty(x.shape) for x in xs))
+    backward = staticmethod(lambda ctx, *grads: grads)
+
+
+def host_cost(rope03, rounds=7, calls=200):
+    """Markdown lines: the median wall time per eager call of calls in a row with one sync, on tensors so small that
+    the GPU waits for the host (rounds interleave the calls, so that a busy moment of the host touches all alike)."""
+    x, freqs = torch.randn(1, 128, 2, 64, device=DEVICE, dtype=torch.bfloat16), rope_freqs(128, 64, device=DEVICE)
+    q, k, v = (x.clone().requires_grad_() for _ in "qkv")
+    sdpa = lambda q, k: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    fns = {"empty op (x + 1)": lambda: x + 1, "autograd alone: identity Function on q, k, v": lambda: _Identity.apply(
+        q, k, v)[0], "SDPA": lambda: sdpa(q, k), "03 RoPE + SDPA": lambda: sdpa(*rope03.apply_rotary_pos_emb_qk(
+            q, k, freqs, "bshd")), "ours": lambda: rope_attention(q, k, v, freqs)}
+    fns = {**{f"{n}, forward": f for n, f in fns.items()}, "ours, forward, no grad": lambda: rope_attention(
+        x, x, x, freqs), **{f"{n}, forward + backward": lambda f=f: f().backward(x) for n, f in list(fns.items())[1:]}}
+    times = {name: [] for name in fns}
+    for _, (name, fn) in itertools.product(range(rounds), fns.items()):
+        fn(), torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times[name].append((time.perf_counter() - start) / calls * 1e6)
+    us = {name: sorted(t)[rounds // 2] for name, t in times.items()}
+    return ["| eager call, (1, 128, 2, 64) bf16 | host us per call | empty ops |", "|---|---|---|"] + [
+        f"| {name} | {t:.1f} | {t / us['empty op (x + 1), forward']:.1f} |" for name, t in us.items()]
+
+
+def write_page(rows, host, yardstick, results_dir):
+    """results_dir/04_rope_attention_<GPU>.md: environment, command, what is timed, the tables, the raw log's name."""
+    (here, script), gpu = os.path.split(os.path.abspath(__file__)), torch.cuda.get_device_name()
+    kind = next((w for w in gpu.split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
+    commit = os.popen(f'git -C "{here}" rev-parse --short HEAD 2>{os.devnull}').read().strip() or "n/a"
     os.makedirs(results_dir, exist_ok=True)
     with open(os.path.join(results_dir, f"04_rope_attention_{kind}.md"), "w") as f:
-        f.write(f"# RoPE + attention on the {kind}: fused against RoPE then attention\n\n{env}\n\n"
-                f"Command: `python {' '.join(sys.argv)}`\n\n{TIMED} The matmul ran at {yardstick:.0f} TF/s.\n\n"
-                + "\n".join([TABLE_HEADER] + rows) + f"\n\nRaw log: `04_rope_attention_{kind}.log`\n")
+        f.write(f"# RoPE + attention on the {kind}: fused against RoPE then attention\n\ndevice: {gpu}; date: "
+                f"{time.strftime('%Y-%m-%d')}; torch {torch.__version__}; triton {triton.__version__}; python "
+                f"{sys.version.split()[0]}; commit {commit}; {script} md5 "
+                f"{hashlib.md5(open(__file__, 'rb').read()).hexdigest()[:8]}\n\nCommand: `python {' '.join(sys.argv)}`"
+                f"\n\n{TIMED} The matmul ran at {yardstick:.0f} TF/s.\n\n" + "\n".join([TABLE_HEADER] + rows)
+                + f"\n\n## Host cost of an eager call\n\n{HOST_TIMED}\n\n" + "\n".join(host)
+                + f"\n\nRaw log: `04_rope_attention_{kind}.log`\n")
 
 
 if __name__ == "__main__":
     here = os.path.dirname(os.path.abspath(__file__))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--results", default=os.path.join(here, "results"), help="folder for the page (GPU only)")
-    args = parser.parse_args()
-    with open(__file__, "rb") as f:  # the environment names the code measured: commit and md5
-        md5 = hashlib.md5(f.read()).hexdigest()[:8]
-    commit = subprocess.run("git rev-parse --short HEAD", shell=True, cwd=here, capture_output=True, text=True).stdout
-    env = (f"device: {torch.cuda.get_device_name() if DEVICE.type == 'cuda' else 'none (Triton interpreter)'}; date: "
-           f"{datetime.date.today()}; torch {torch.__version__}; triton {triton.__version__}; python "
-           f"{platform.python_version()}; commit {commit.strip() or 'n/a'}; 04_rope_attention.py md5 {md5}")
-    print(env)
-    self_check()
+    args, _ = parser.parse_args(), self_check()
     rope03, yardstick = None, None
     if DEVICE.type == "cuda":
         a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
         yardstick = 2 * 8192**3 / _time_ms(lambda: a @ a) / 1e9
         print(f"yardstick: a bf16 8192^3 matmul runs at {yardstick:.0f} TF/s on this GPU (GPU time)")
-        if os.path.exists(os.path.join(here, "03_rope_bwd.py")):  # 03's RoPE, the unfused paths' first step
-            spec = importlib.util.spec_from_file_location("rope_bwd", os.path.join(here, "03_rope_bwd.py"))
-            rope03 = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(rope03)
+        spec = importlib.util.spec_from_file_location("rope_bwd", os.path.join(here, "03_rope_bwd.py"))
+        rope03 = importlib.util.module_from_spec(spec)  # 03's RoPE: the unfused paths' first step
+        spec.loader.exec_module(rope03)
     else:
         print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only show that the "
               "benchmark runs; they say nothing about speed.")
     print(TABLE_HEADER)
     rows = benchmark(rope03, yardstick)
     if DEVICE.type == "cuda":
-        write_page(rows, env, yardstick, args.results)
+        host = host_cost(rope03)
+        print("\n".join(host))
+        write_page(rows, host, yardstick, args.results)

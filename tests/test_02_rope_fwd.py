@@ -68,6 +68,8 @@ def test_qk_in_one_launch_with_fewer_k_heads(fmt, k_heads, monkeypatch):
     kernel = rope.rope_fwd_kernel
 
     class CountingKernel:
+        arg_names = kernel.arg_names
+
         def __getitem__(self, grid):
             launches.append(grid)
             return kernel[grid]
@@ -123,6 +125,7 @@ def test_torch_compile_fullgraph(fmt, in_place):
     else:
         both = torch.compile(lambda q, k: rope.rope_fwd_qk(q, k, freqs, **kwargs), fullgraph=True, backend=backend)
         torch.testing.assert_close(both(q, k), expected)
+        assert all(a.equal(b) for a, b in zip(both(q, k), rope.rope_fwd_qk(q, k, freqs, **kwargs)))  # bit for bit
     if in_place:  # (the op's check below does not depend on in_place: once per layout is enough)
         return
     # the registration itself: schema (what it writes), fake outputs, and the op against its launch
@@ -300,3 +303,18 @@ def test_an_input_requiring_grad_is_refused_unless_no_grad():
         rope.rope_fwd_qk(t.detach(), t, freqs)
     with torch.no_grad():
         torch.testing.assert_close(rope.rope_fwd(t, freqs), rope.rope_reference(t, freqs))
+
+
+def test_eager_calls_remember_by_signature_alignment_included():
+    """Eager calls keep their checks and compiled launches per signature (shapes, strides, dtype, device, 16-byte
+    alignment): a view 2 bytes off, of the same shape and strides, gets a launch of its own; a call that must be
+    refused still is, after good calls of the same signature."""
+    base = torch.randn(2, 8, 3, 65, device=DEVICE, dtype=torch.bfloat16)
+    freqs = rope.rope_freqs(8, 64, device=DEVICE)
+    for t in (base[..., :64], base[..., 1:]):
+        for _ in range(2):  # the second call takes the remembered launch
+            torch.testing.assert_close(rope.rope_fwd(t, freqs, "bshd"), rope.rope_reference(t, freqs, "bshd"))
+    t = base[..., :64].clone()
+    rope.rope_fwd(t, freqs, "bshd")
+    with pytest.raises(ValueError, match="requires grad"):
+        rope.rope_fwd(t.requires_grad_(), freqs, "bshd")

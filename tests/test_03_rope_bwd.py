@@ -23,6 +23,16 @@ def make_inputs(fmt, d, d2, dtype, view, with_start, b=B, s=S, h=H):
     return t, freqs, kwargs
 
 
+def rope_bwd(dy, freqs, tensor_format="sbhd", **kwargs):
+    """RoPE's gradient with respect to its input, given the output's (a tuple: q's and k's), through 03's autograd
+    Function; it keeps requiring grad if dy does (double backward)."""
+    dys = dy if isinstance(dy, tuple) else (dy,)
+    xs = [torch.zeros_like(g).requires_grad_() for g in dys]
+    ys = (rope.apply_rotary_pos_emb_qk if len(xs) == 2 else rope.apply_rotary_pos_emb)(*xs, freqs, tensor_format, **kwargs)
+    grads = torch.autograd.grad(ys, xs, dys, create_graph=any(g.requires_grad for g in dys))
+    return grads if len(grads) == 2 else grads[0]
+
+
 def reference_grad(t, freqs, dy, interleaved, **kwargs):
     y = rope.rope_reference(t, freqs, interleaved=interleaved, **kwargs)
     return y, torch.autograd.grad(y, t, dy)[0]
@@ -41,7 +51,7 @@ def test_gradients_match_autograd_of_reference(fmt, interleaved, dims, dtype, vi
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(dt, dt_ref)
     # rope_bwd alone gives the same gradient
-    torch.testing.assert_close(rope.rope_bwd(dy, freqs, interleaved=interleaved, **kwargs), dt_ref)
+    torch.testing.assert_close(rope_bwd(dy, freqs, interleaved=interleaved, **kwargs), dt_ref)
 
 
 def test_backward_is_not_the_negated_angle_for_arbitrary_tables():
@@ -49,14 +59,14 @@ def test_backward_is_not_the_negated_angle_for_arbitrary_tables():
     gives a different answer, and the kernel must not."""
     t, freqs, kwargs = make_inputs("bshd", 16, 16, torch.float32, "contiguous", False)
     dy = torch.randn_like(t)
-    dt = rope.rope_bwd(dy, freqs, **kwargs)
+    dt = rope_bwd(dy, freqs, **kwargs)
     _, dt_ref = reference_grad(t, freqs, dy, False, **kwargs)
     torch.testing.assert_close(dt, dt_ref)
     negated = rope.rope_reference(dy, -freqs, **kwargs)
     assert (negated - dt_ref).abs().max() > 1e-2  # the check above can tell the two apart
     # ... while for a true rotation table the two agree
     table = rope.rope_freqs(freqs.shape[0], 16, device=DEVICE)
-    torch.testing.assert_close(rope.rope_bwd(dy, table, **kwargs), rope.rope_reference(dy, -table, **kwargs))
+    torch.testing.assert_close(rope_bwd(dy, table, **kwargs), rope.rope_reference(dy, -table, **kwargs))
 
 
 @pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
@@ -89,7 +99,7 @@ def test_qk_one_launch_each_way_with_fewer_k_heads(fmt, k_heads, monkeypatch):
         y_ref, dx_ref = reference_grad(x, freqs, dy, **kwargs)
         torch.testing.assert_close(y, y_ref)
         torch.testing.assert_close(dx, dx_ref)
-    torch.testing.assert_close(rope.rope_bwd_qk(dq_out, dk_out, freqs, **kwargs), (dq, dk))
+    torch.testing.assert_close(rope_bwd((dq_out, dk_out), freqs, **kwargs), (dq, dk))
 
 
 def count_launches(monkeypatch):
@@ -167,6 +177,10 @@ def test_torch_compile_fullgraph():
     dy = torch.randn_like(y)
     torch.testing.assert_close(torch.autograd.grad(y, t, dy)[0], torch.autograd.grad(y_eager, t2, dy)[0])
     assert rope._USE_TRITON_OP == (ON_GPU and hasattr(torch.library, "triton_op"))
+    plain = lambda x: rope.apply_rotary_pos_emb(x, freqs, interleaved=True, **kwargs)  # noqa: E731
+    y, y_eager = torch.compile(plain, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")(t), plain(t2)
+    assert y.equal(y_eager)  # the op alone: compiled and eager, bit for bit, both ways
+    assert torch.autograd.grad(y, t, dy)[0].equal(torch.autograd.grad(y_eager, t2, dy)[0])
 
 
 def test_autocast():
@@ -209,8 +223,8 @@ def test_errors():
         (lambda: rope.apply_rotary_pos_emb(t(5, 2, 3, 16), f(4, 1, 1, 16)), ValueError, "over the 4 rows"),
         (lambda: rope.apply_rotary_pos_emb(t(4, 2, 3, 16), f(8, 1, 1, 16), start_positions=torch.tensor(
             [0, 5], device=DEVICE)), ValueError, "positions up to 8"),
-        (lambda: rope.rope_bwd(t(4, 2, 3, 16), f(4, 1, 1, 16), tensor_format="hbsd"), ValueError, "tensor_format"),
-        (lambda: rope.rope_bwd_qk(t(4, 2, 3, 16), t(4, 2, 3, 8), f(4, 1, 1, 8)), ValueError, "grad_k must match"),
+        (lambda: rope.apply_rotary_pos_emb(t(4, 2, 3, 16), f(4, 1, 1, 16), tensor_format="hbsd"), ValueError,
+         "tensor_format"),
         (lambda: rope.apply_rotary_pos_emb_qk(t(4, 2, 3, 16), t(4, 2, 3, 16).half(), f(4, 1, 1, 16)), ValueError,
          "k must match q"),
     ]
@@ -223,7 +237,7 @@ def test_errors():
 def test_backward_over_2_31_elements():
     t = torch.empty(2**31 // (16 * 128) + 7, 1, 16, 128, device=DEVICE, dtype=torch.bfloat16).normal_()
     freqs = rope.rope_freqs(t.shape[0], 128, device=DEVICE)
-    dt = rope.rope_bwd(t, freqs)
+    dt = rope_bwd(t, freqs)
     rows = [0, t.shape[0] - 3]  # the last rows lie past 2**31 elements
     for r in rows:
         torch.testing.assert_close(dt[r:r + 3], rope.rope_reference(t[r:r + 3], -freqs[r:r + 3]))
@@ -324,7 +338,7 @@ def test_outputs_are_contiguous_whatever_the_input_strides(transpose):
     y = rope.apply_rotary_pos_emb(t, freqs)
     (dt,) = torch.autograd.grad(y, t, torch.randn_like(y).transpose(*transpose).contiguous().transpose(*transpose))
     rope02 = load("02_rope_fwd.py")
-    assert y.is_contiguous() and dt.is_contiguous() and rope.rope_bwd(t.detach(), freqs).is_contiguous()
+    assert y.is_contiguous() and dt.is_contiguous() and rope_bwd(t.detach(), freqs).is_contiguous()
     assert rope02.rope_fwd(t.detach(), freqs).is_contiguous()
     torch.testing.assert_close(y, rope.rope_reference(t, freqs))
 
@@ -359,11 +373,26 @@ def test_context_parallel_and_fused_qkv_errors():
 
 
 def test_no_silent_outputs_or_gradients():
-    """q with no heads still rotates k (nothing left unwritten); rope_bwd on a gradient that requires grad returns
-    one that does (its own gradient is the forward rotation), as apply_rotary_pos_emb does."""
+    """q with no heads still rotates k (nothing left unwritten); a gradient that requires grad gets one that does (its
+    own gradient is the forward rotation): double backward."""
     freqs = rope.rope_freqs(8, 16, device=DEVICE)
     q, k = torch.randn(1, 6, 0, 16, device=DEVICE), torch.randn(1, 6, 2, 16, device=DEVICE)
     torch.testing.assert_close(rope.apply_rotary_pos_emb_qk(q, k, freqs, "bshd")[1], rope.rope_reference(k, freqs, "bshd"))
     dy = torch.randn(1, 6, 2, 16, device=DEVICE, dtype=torch.float64, requires_grad=True)
-    assert rope.rope_bwd(dy, freqs, "bshd").requires_grad
-    assert torch.autograd.gradcheck(lambda g: rope.rope_bwd(g, freqs, "bshd"), (dy,), fast_mode=True)
+    assert rope_bwd(dy, freqs, "bshd").requires_grad
+    assert torch.autograd.gradcheck(lambda g: rope_bwd(g, freqs, "bshd"), (dy,), fast_mode=True)
+
+
+def test_eager_calls_remember_by_signature_and_skip_autograd_without_grad():
+    """A view 2 bytes off, of the same shape and strides, gets a launch of its own (Triton specializes on 16-byte
+    alignment); a call that needs no gradient returns tensors outside autograd, one that does records the Function."""
+    base = torch.randn(8, 2, 3, 33, device=DEVICE, dtype=torch.bfloat16)
+    freqs = rope.rope_freqs(8, 32, device=DEVICE)
+    for t in (base[..., :32], base[..., 1:]):
+        for _ in range(2):  # the second call takes the remembered launch
+            torch.testing.assert_close(rope.apply_rotary_pos_emb(t, freqs), rope.rope_reference(t, freqs))
+    assert rope.apply_rotary_pos_emb(base[..., :32], freqs).grad_fn is None
+    y = rope.apply_rotary_pos_emb(base[..., :32].clone().requires_grad_(), freqs)
+    assert type(y.grad_fn).__name__ == "_ApplyRoPEBackward"
+    with torch.no_grad():
+        assert rope.apply_rotary_pos_emb(base[..., :32].clone().requires_grad_(), freqs).grad_fn is None

@@ -342,3 +342,21 @@ def test_rotated_layout_is_zero_padded():
         torch.testing.assert_close(rx[..., 32:54].float(), b_, atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(rx[..., 64:].float(), rest, atol=0, rtol=0)
         assert (rx[..., 22:32] == 0).all() and (rx[..., 54:64] == 0).all()
+
+
+def test_eager_calls_remember_by_signature_alignment_included():
+    """A view 2 bytes off, of the same shape and strides, gets launches of its own (Triton specializes on 16-byte
+    alignment); without a gradient no graph is recorded, and a second backward through the graph is refused."""
+    base = torch.randn(2, 40, 3, 2, 33, device=DEVICE, dtype=torch.float16)
+    freqs = torch.randn(40, 1, 1, 32, device=DEVICE)
+    for view in (base[..., :32], base[..., 1:]):
+        q, k, v = (x.detach().requires_grad_() for x in view.unbind(2))
+        for _ in range(2):  # the second call takes the remembered launches
+            out, ref = attn.rope_attention(q, k, v, freqs), attn.attention_reference(q, k, v, freqs)
+            torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+            grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out).requires_grad_(), create_graph=True)
+            for g, r in zip(grads, torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))):
+                torch.testing.assert_close(g.float(), r.float(), atol=2e-2, rtol=2e-2)
+    assert attn.rope_attention(q.detach(), k.detach(), v.detach(), freqs).grad_fn is None
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grads[0].sum().backward()
