@@ -563,29 +563,25 @@ def _us(fn, eager_call=False):  # median us: a CUDA-graph replay, or ten eager c
     return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
 
 
-def _peers():  # Liger's and flash-attention's rotary, where importable
-    try:
-        from liger_kernel.ops.rope import rope_forward as liger
-    except ImportError as e:
-        liger = print(f"(Liger-Kernel not importable, its column is skipped: {e})")
-    try:
-        from flash_attn.ops.triton.rotary import apply_rotary as flash
-    except ImportError as e:
-        flash = print(f"(flash-attention's rotary not importable, its column is skipped: {e})")
-    return liger, flash
-
-
 def benchmark():
     on_gpu, table = DEVICE.type == "cuda", []
     eager = lambda q, k, f, **kw: (rope_reference(q, f, compute_dtype=None, **kw),  # noqa: E731
                                    rope_reference(k, f, compute_dtype=None, **kw))  # TE's unfused formula
+    liger = flash = None
     if on_gpu:  # compiled per shape (dynamic=False): a shape seen second would otherwise get dynamic-shape kernels
         torch._dynamo.config.cache_size_limit = 64  # one graph per shape and layout
         ours_compiled, eager_compiled = (torch.compile(f, fullgraph=True, dynamic=False) for f in (rope_fwd_qk, eager))
+        try:
+            from liger_kernel.ops.rope import rope_forward as liger
+        except ImportError as e:
+            print(f"(Liger-Kernel not importable, its column is skipped: {e})")
+        try:
+            from flash_attn.ops.triton.rotary import apply_rotary as flash
+        except ImportError as e:
+            print(f"(flash-attention's rotary not importable, its column is skipped: {e})")
     else:
         print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
               "show that the benchmark runs; they say nothing about speed.")
-    liger, flash = _peers() if on_gpu else (None, None)
     for b, s, h, d in BENCH_SHAPES if on_gpu else CPU_SHAPES:
         freqs = rope_freqs(s, d, device=DEVICE)
         q, k = (torch.randn(b, s, h, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))

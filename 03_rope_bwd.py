@@ -593,10 +593,10 @@ def _apply(tensors, names, freqs, tensor_format, start_positions, interleaved, c
     sizes = check() if tracing else _once(_checked, _signature(
         *tensors, freqs, k_freqs, cu_seqlens, start_positions, tensor_format, cp_size, cp_rank, *split), check)
     _check_values(cu_seqlens, start_positions, sizes, cp_size)
-    for f in (freqs, k_freqs):  # no silent loss of a gradient
-        if f is not None and f.requires_grad and torch.is_grad_enabled():
-            raise ValueError("freqs requires grad, but no gradient flows to the angle table here (as in "
-                             "TransformerEngine's fused RoPE); pass freqs.detach()")
+    for f, name in ((freqs, "freqs" if k_freqs is None else "q_freqs"), (k_freqs, "k_freqs")):  # no silent loss of a
+        if f is not None and f.requires_grad and torch.is_grad_enabled():  # gradient
+            raise ValueError(f"{name} requires grad, but no gradient flows to the angle table here (as in "
+                             f"TransformerEngine's fused RoPE); pass {name}.detach()")
     args = (*tensors, *[None] * (3 - len(tensors)), freqs, k_freqs, _angles_shared(freqs, interleaved),
             k_freqs if k_freqs is None else _angles_shared(k_freqs, interleaved, "k angles shared"), cu_seqlens,
             start_positions)

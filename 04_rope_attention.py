@@ -885,8 +885,9 @@ def host_cost(rope03, rounds=7, calls=200):
     sdpa = lambda q, k: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
     fns = {"empty op (x + 1)": lambda: x + 1, "autograd alone: identity Function on q, k, v": lambda: _Identity.apply(
-        q, k, v)[0], "SDPA": lambda: sdpa(q, k), "03 RoPE + SDPA": lambda: sdpa(*rope03.apply_rotary_pos_emb_qk(
-            q, k, freqs, "bshd")), "ours": lambda: rope_attention(q, k, v, freqs)}
+        q, k, v)[0], "SDPA": lambda: sdpa(q, k), "03 RoPE + SDPA": rope03 and (lambda: sdpa(
+            *rope03.apply_rotary_pos_emb_qk(q, k, freqs, "bshd"))), "ours": lambda: rope_attention(q, k, v, freqs)}
+    fns = {name: fn for name, fn in fns.items() if fn}  # 03's row only where 03 sits beside this file
     fns = {**{f"{n}, forward": f for n, f in fns.items()}, "ours, forward, no grad": lambda: rope_attention(
         x, x, x, freqs), **{f"{n}, forward + backward": lambda f=f: f().backward(x) for n, f in list(fns.items())[1:]}}
     times = {name: [] for name in fns}
@@ -928,9 +929,10 @@ if __name__ == "__main__":
         a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
         yardstick = 2 * 8192**3 / _time_ms(lambda: a @ a) / 1e9
         print(f"yardstick: a bf16 8192^3 matmul runs at {yardstick:.0f} TF/s on this GPU (GPU time)")
-        spec = importlib.util.spec_from_file_location("rope_bwd", os.path.join(here, "03_rope_bwd.py"))
-        rope03 = importlib.util.module_from_spec(spec)  # 03's RoPE: the unfused paths' first step
-        spec.loader.exec_module(rope03)
+        if os.path.exists(os.path.join(here, "03_rope_bwd.py")):  # 03's RoPE, the unfused paths' first step
+            spec = importlib.util.spec_from_file_location("rope_bwd", os.path.join(here, "03_rope_bwd.py"))
+            rope03 = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(rope03)
     else:
         print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only show that the "
               "benchmark runs; they say nothing about speed.")

@@ -210,6 +210,9 @@ def test_freqs_requiring_grad_is_refused():
         rope.apply_rotary_pos_emb(t, freqs.requires_grad_(), **kwargs)
     with torch.no_grad():  # no gradient asked for: fine
         rope.apply_rotary_pos_emb(t, freqs, **kwargs)
+    qkv, table = torch.randn(4, 2, 2, 48, device=DEVICE), torch.randn(4, 1, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"^k_freqs requires grad.*k_freqs\.detach\(\)"):  # fused QKV names which
+        rope.apply_fused_qkv_rotary_pos_emb(qkv, table, table.clone().requires_grad_(), [16, 16, 16])
 
 
 def test_errors():
