@@ -106,13 +106,9 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # ------------------
 # QK^T sums over channels, so q and k may hold them in any order they share. rq [b, h, s, W] and rk [b, h_kv, s, W]
 # hold per row the a members of the d2/2 pairs (rotate-half: channel i; interleaved: 2i), zero-padded to a power
-# of two HALF, then the b members likewise, then the d - d2 channels that are not rotated, padded to a multiple of
-# 8 (W: 16-byte rows). A loop loads a tile as one [rows, 2 * HALF] block with no channel mask, and QK^T is one dot
-# (plus one for the pass-through channels). q and k are rotated in float32 and rounded once.
-#
-# Loads on Hopper: the loops read rq, rk, v and dO through tensor descriptors (tl.make_tensor_descriptor): the copy
-# engine (TMA) moves each tile to shared memory, bounds handled by the hardware, while the warps compute; v and dO
-# fall back to pointer loads where their strides do not allow a descriptor (results/04_rope_attention_ab.log).
+# of two HALF, then the b members likewise, then the d - d2 channels that are not rotated: W = 2 * HALF + d - d2.
+# A loop loads a tile as one [rows, 2 * HALF] block with no channel mask, and QK^T is one dot (plus one for the
+# pass-through channels). q and k are rotated in float32 and rounded once.
 #
 # The backward
 # ------------
@@ -262,20 +258,11 @@ def _masked(x, q_idx, k_idx, seqlen, key_mask_row, fill, diagonal, CAUSAL: tl.co
 
 
 @triton.jit
-def _tile(desc, start, ptrs, mask, DESC: tl.constexpr, UNMASKED: tl.constexpr):
-    """Rows start ... of a [s, d] tile: a TMA load through the descriptor (rows and channels past the end read as 0)
-    where DESC, else a pointer load."""
-    if DESC:
-        return desc.load([start, 0])
-    return _load(ptrs, mask, 0.0, UNMASKED)
-
-
-@triton.jit
-def _scores(x_r, x_p, y_desc, start, y_rows, y_ok, n_pass, HALF: tl.constexpr, PASS: tl.constexpr,
-            HAS_PASS: tl.constexpr):
+def _scores(x_r, x_p, y_rows, y_ok, n_pass, HALF: tl.constexpr, PASS: tl.constexpr, HAS_PASS: tl.constexpr,
+            EVEN: tl.constexpr):
     """x y^T for a tile x held in registers (x_r: the rotated halves, x_p: the pass-through channels) and the rows
-    start ... of rq or rk (y_rows, y_ok: their pointers and bounds); returns the scores and y's two parts."""
-    y_r = y_desc.load([start, 0])
+    y_rows of rq or rk, loaded whole; returns the scores and y's two parts."""
+    y_r = _load(y_rows + tl.arange(0, 2 * HALF)[None, :], y_ok, 0.0, EVEN)
     scores = tl.dot(x_r, tl.trans(y_r))
     y_p = x_p  # (unused without HAS_PASS)
     if HAS_PASS:
@@ -294,7 +281,6 @@ def rope_attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     W: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, SAVE_RQ: tl.constexpr, WIDE: tl.constexpr,
-    V_DESC: tl.constexpr,
 ):
     """One block of queries of one head: the output rows and their log-sum-exp (base 2)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -316,37 +302,27 @@ def rope_attn_fwd_kernel(
         if HAS_PASS:
             tl.store(rq_rows + 2 * HALF + c, q_p, mask=m_ok & (c < n_pass))
     rk_head = rk_ptr + (bh // group).to(tl.int64) * seqlen * W  # rk is [b, h_kv, s, W]: row b * h_kv + h // group
-    rk_desc = tl.make_tensor_descriptor(rk_head, [seqlen, 2 * HALF], [W, 1], [BLOCK_N, 2 * HALF])
     v_head = v_ptr + b * stride_vb + (h // group) * stride_vh
-    if V_DESC:
-        v_desc = tl.make_tensor_descriptor(v_head, [seqlen, head_dim], [stride_vs, 1], [BLOCK_N, D])
     # qk_scale (the softmax scale in log2 units, for exp2) is applied in the multiply-add that subtracts the max
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max of the scaled scores
     l_i = tl.zeros((BLOCK_M,), tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
-    # Causal: the keys before this block in a loop with no causal test, then the block's diagonal in a loop of its
-    # own (BLOCK_N divides BLOCK_M); no key past the block's last query.
-    for stage in tl.static_range(2 if CAUSAL else 1):
-        lo, hi = 0, seqlen
-        if CAUSAL:
-            lo, hi = (0, pid_m * BLOCK_M) if stage == 0 else (pid_m * BLOCK_M, tl.minimum((pid_m + 1) * BLOCK_M, seqlen))
-        for start_n in range(lo, hi, BLOCK_N):
-            offs_n = _positions(start_n, BLOCK_N, WIDE)
-            n_ok = (offs_n < seqlen)[:, None]
-            scores, _, _ = _scores(q_r, q_p, rk_desc, start_n, rk_head + offs_n[:, None] * W, n_ok, n_pass, HALF, PASS,
-                                   HAS_PASS)
-            v = _tile(v_desc if V_DESC else None, start_n, v_head + offs_n[:, None] * stride_vs + d * stride_vd,
-                      n_ok & (d < head_dim), V_DESC, EVEN_N and EVEN_D)
-            scores = _masked(scores, offs_m[:, None], offs_n[None, :], seqlen, key_mask_ptr + b * seqlen,
-                             float("-inf"), stage == 1, CAUSAL, HAS_MASK, EVEN_N)
-            m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
-            # with a padding mask, a row that has seen no visible key yet keeps m = -inf: subtract 0 instead
-            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if HAS_MASK else m_new
-            p = tl.exp2(scores * qk_scale - m_new_safe[:, None])
-            alpha = tl.exp2(m_i - m_new_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-            m_i = m_new
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen) if CAUSAL else seqlen  # causal: no key past the block's last query
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = _positions(start_n, BLOCK_N, WIDE)
+        n_ok = (offs_n < seqlen)[:, None]
+        scores, _, _ = _scores(q_r, q_p, rk_head + offs_n[:, None] * W, n_ok, n_pass, HALF, PASS, HAS_PASS, EVEN_N)
+        scores = _masked(scores, offs_m[:, None], offs_n[None, :], seqlen, key_mask_ptr + b * seqlen, float("-inf"),
+                         start_n + BLOCK_N > pid_m * BLOCK_M, CAUSAL, HAS_MASK, EVEN_N)
+        m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
+        # with a padding mask, a row that has seen no visible key yet keeps m = -inf: subtract 0 instead
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if HAS_MASK else m_new
+        p = tl.exp2(scores * qk_scale - m_new_safe[:, None])
+        alpha = tl.exp2(m_i - m_new_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load(v_head + offs_n[:, None] * stride_vs + d * stride_vd, n_ok & (d < head_dim), 0.0, EVEN_N and EVEN_D)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
     empty = l_i == 0.0  # rows that saw no key: output 0, and lse = +inf so the backward's p is 0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     o_rows = o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os
@@ -355,7 +331,7 @@ def rope_attn_fwd_kernel(
     tl.store(lse_ptr + bh.to(tl.int64) * seqlen + offs_m, lse, mask=offs_m < seqlen)
 
 
-@triton.jit(do_not_specialize=["seqlen"])  # (Triton 3.6 fails to pipeline this loop at a constant length of 1)
+@triton.jit
 def rope_attn_bwd_dkdv_kernel(
     rq_ptr, rk_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, trig_ptr, key_mask_ptr,
     qk_scale, seqlen, n_heads, group, half, n_pass,
@@ -363,7 +339,7 @@ def rope_attn_bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh, stride_dkd, stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     W: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr, DO_DESC: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One block of keys of one k/v head: dK and dV, summed over the q heads of its group."""
     pid_n, bhk = tl.program_id(0), tl.program_id(1)
@@ -384,21 +360,18 @@ def rope_attn_bwd_dkdv_kernel(
     start = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0  # causal: earlier queries cannot see these keys
     for g in range(group):
         bh = b * n_heads + hk * group + g
-        do_head, rq_head = do_ptr + b * stride_db + (hk * group + g) * stride_dh, rq_ptr + bh * seqlen * W
-        rq_desc = tl.make_tensor_descriptor(rq_head, [seqlen, 2 * HALF], [W, 1], [BLOCK_M, 2 * HALF])
-        if DO_DESC:
-            do_desc = tl.make_tensor_descriptor(do_head, [seqlen, head_dim], [stride_ds, 1], [BLOCK_M, D])
+        do_head = do_ptr + b * stride_db + (hk * group + g) * stride_dh
         for start_m in range(start, seqlen, BLOCK_M):
             offs_m = _positions(start_m, BLOCK_M, WIDE)
             m_ok = (offs_m < seqlen)[:, None]
-            scores_t, q_r, q_p = _scores(k_r, k_p, rq_desc, start_m, rq_head + offs_m[:, None] * W, m_ok, n_pass, HALF,
-                                         PASS, HAS_PASS)  # S^T: [BLOCK_N, BLOCK_M]
-            do = _tile(do_desc if DO_DESC else None, start_m, do_head + offs_m[:, None] * stride_ds + d * stride_dd,
-                       m_ok & (d < head_dim), DO_DESC, EVEN_M and EVEN_D)
+            scores_t, q_r, q_p = _scores(k_r, k_p, rq_ptr + bh * seqlen * W + offs_m[:, None] * W, m_ok, n_pass, HALF,
+                                         PASS, HAS_PASS, EVEN_M)  # S^T: [BLOCK_N, BLOCK_M]
             lse = _load(lse_ptr + bh * seqlen + offs_m, offs_m < seqlen, float("inf"), EVEN_M)
             p_t = tl.exp2(scores_t * qk_scale - lse[None, :])
             p_t = _masked(p_t, offs_m[None, :], offs_n[:, None], seqlen, key_mask_ptr + b * seqlen, 0.0,
                           start_m < (pid_n + 1) * BLOCK_N - 1, CAUSAL, HAS_MASK, EVEN_N)
+            do = _load(do_head + offs_m[:, None] * stride_ds + d * stride_dd, m_ok & (d < head_dim), 0.0,
+                       EVEN_M and EVEN_D)
             dv = tl.dot(p_t.to(do.dtype), do, dv)
             dp_t = tl.dot(v, tl.trans(do))
             delta = _load(delta_ptr + bh * seqlen + offs_m, offs_m < seqlen, 0.0, EVEN_M)
@@ -422,7 +395,7 @@ def rope_attn_bwd_dq_kernel(
     stride_ob, stride_os, stride_oh, stride_od, stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     W: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr, V_DESC: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One block of queries of one q head: dQ, summed over the keys it sees in a fixed order."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -443,23 +416,18 @@ def rope_attn_bwd_dq_kernel(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(delta_ptr + bh.to(tl.int64) * seqlen + offs_m, delta, mask=offs_m < seqlen)
     rk_head = rk_ptr + (bh // group).to(tl.int64) * seqlen * W
-    rk_desc = tl.make_tensor_descriptor(rk_head, [seqlen, 2 * HALF], [W, 1], [BLOCK_N, 2 * HALF])
     v_head = v_ptr + b * stride_vb + (h // group) * stride_vh
-    if V_DESC:
-        v_desc = tl.make_tensor_descriptor(v_head, [seqlen, head_dim], [stride_vs, 1], [BLOCK_N, D])
     dq_r = tl.zeros((BLOCK_M, 2 * HALF), tl.float32)
     dq_p = tl.zeros((BLOCK_M, PASS), tl.float32)
     hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen) if CAUSAL else seqlen
     for start_n in range(0, hi, BLOCK_N):
         offs_n = _positions(start_n, BLOCK_N, WIDE)
         n_ok = (offs_n < seqlen)[:, None]
-        scores, k_r, k_p = _scores(q_r, q_p, rk_desc, start_n, rk_head + offs_n[:, None] * W, n_ok, n_pass, HALF, PASS,
-                                   HAS_PASS)
-        v = _tile(v_desc if V_DESC else None, start_n, v_head + offs_n[:, None] * stride_vs + d * stride_vd,
-                  n_ok & (d < head_dim), V_DESC, EVEN_N and EVEN_D)
+        scores, k_r, k_p = _scores(q_r, q_p, rk_head + offs_n[:, None] * W, n_ok, n_pass, HALF, PASS, HAS_PASS, EVEN_N)
         p = tl.exp2(scores * qk_scale - lse[:, None])
         p = _masked(p, offs_m[:, None], offs_n[None, :], seqlen, key_mask_ptr + b * seqlen, 0.0,
                     start_n + BLOCK_N > pid_m * BLOCK_M, CAUSAL, HAS_MASK, EVEN_N)
+        v = _load(v_head + offs_n[:, None] * stride_vs + d * stride_vd, n_ok & (d < head_dim), 0.0, EVEN_N and EVEN_D)
         ds = (p * (tl.dot(do, tl.trans(v)) - delta[:, None])).to(q_r.dtype)
         dq_r = tl.dot(ds, k_r, dq_r)
         if HAS_PASS:
@@ -547,7 +515,7 @@ def _dims(q, k, rot_dim):
     half, n_pass = rot_dim // 2, q.shape[3] - rot_dim
     HALF = _pow2(half, 8)  # 2 * HALF >= 16: a dot's smallest K
     return dict(batch=q.shape[0], seqlen=q.shape[1], n_heads=q.shape[2], n_kv_heads=k.shape[2], head_dim=q.shape[3],
-                half=half, n_pass=n_pass, HALF=HALF, PASS=_pow2(n_pass, 16), W=2 * HALF - (-n_pass // 8) * 8,
+                half=half, n_pass=n_pass, HALF=HALF, PASS=_pow2(n_pass, 16), W=2 * HALF + n_pass,
                 D=_pow2(q.shape[3], 16))
 
 
@@ -567,16 +535,6 @@ def _constexprs(dims, causal, interleaved, key_mask, *tensors):
                 EVEN_D=dims["D"] == dims["head_dim"], WIDE=max(ends + [dims["seqlen"] * dims["W"]]) >= INT32_LIMIT)
 
 
-def _tma_ok(x):
-    """Can a tensor descriptor read x [b, s, h, d]: channels contiguous, the address and other strides in 16 bytes?"""
-    return x.stride(3) == 1 and x.data_ptr() % 16 == 0 and all(x.stride(i) * x.element_size() % 16 == 0 for i in range(3))
-
-
-def _scratch(size, alignment, stream):
-    """Global memory for the descriptors the kernels make (tl.make_tensor_descriptor); Triton asks for it at launch."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def _forward_fake(qkv, freqs, key_mask, sm_scale, causal, interleaved, save_rotated):
     """The forward op's outputs, empty: (o, lse, rq, rk, trig); rq is empty when no backward will run; trig is the
     float32 table [s, 4 * HALF] of cos_a, sin_a, cos_b, sin_b per position."""
@@ -593,7 +551,6 @@ def _forward(qkv: List[Tensor], freqs: Tensor, key_mask: Optional[Tensor], sm_sc
              interleaved: bool, save_rotated: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The forward op: qkv is [q, k, v], or [qkv] packed as [b, s, 3, h, d]."""
     q, k, v = qkv if len(qkv) == 3 else qkv[0].unbind(2)
-    triton.set_allocator(_scratch)  # per thread (a context variable): autograd runs the backward in a thread of its own
     o, lse, rq, rk, trig = _forward_fake(qkv, freqs, key_mask, sm_scale, causal, interleaved, save_rotated)
     key = _signature(q, k, v, freqs, key_mask, sm_scale, causal, interleaved, save_rotated)
 
@@ -612,7 +569,7 @@ def _forward(qkv: List[Tensor], freqs: Tensor, key_mask: Optional[Tensor], sm_sc
         s, h, cfg = dims["seqlen"], dims["n_heads"], _config("fwd", dims["head_dim"], dims["seqlen"], causal)
         return (triton.cdiv(s, cfg["BLOCK_M"]), dims["batch"] * h), (
             sm_scale * LOG2E, s, h, h // dims["n_kv_heads"], dims["half"], dims["n_pass"], *_strides(q, v, o)), dict(
-            EVEN_N=s % cfg["BLOCK_N"] == 0, SAVE_RQ=save_rotated, V_DESC=_tma_ok(v), **cfg,
+            EVEN_N=s % cfg["BLOCK_N"] == 0, SAVE_RQ=save_rotated, **cfg,
             **_constexprs(dims, causal, interleaved, key_mask, q, v, o))
     _launch_cached(rope_pass_kernel, key, (k, rk, freqs, trig), plan_pass)
     _launch_cached(rope_attn_fwd_kernel, key, (q, rk, v, o, lse, rq, trig, key_mask if key_mask is not None else lse),
@@ -637,7 +594,6 @@ def _backward(do: Tensor, rq: Tensor, rk: Tensor, qkv_or_v: Tensor, o: Tensor, l
     v = qkv_or_v.unbind(2)[2] if packed else qkv_or_v
     dq, dk, dv = grads[0].unbind(2) if packed else grads
     delta = torch.empty_like(lse)  # written by the dq kernel, read by the dkdv kernel
-    triton.set_allocator(_scratch)
     key = _signature(do, rq, rk, qkv_or_v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, packed)
     shared = (lse, delta, trig, key_mask if key_mask is not None else lse)  # (lse stands in for an absent mask)
 
@@ -648,8 +604,7 @@ def _backward(do: Tensor, rq: Tensor, rk: Tensor, qkv_or_v: Tensor, o: Tensor, l
         blocks, heads, outs = (cfg["BLOCK_M"], h, (o, dq)) if kernel == "dq" else (cfg["BLOCK_N"], n_kv_heads, (dk, dv))
         return (triton.cdiv(s, blocks), dims["batch"] * heads), (
             sm_scale * LOG2E, s, h, h // n_kv_heads, dims["half"], dims["n_pass"], *_strides(v, do, *outs)), dict(
-            EVEN_N=s % cfg["BLOCK_N"] == 0, **(dict(EVEN_M=s % cfg["BLOCK_M"] == 0, DO_DESC=_tma_ok(do)) if kernel ==
-                                               "dkdv" else dict(V_DESC=_tma_ok(v))),
+            EVEN_N=s % cfg["BLOCK_N"] == 0, **(dict(EVEN_M=s % cfg["BLOCK_M"] == 0) if kernel == "dkdv" else {}),
             **_constexprs(dims, causal, interleaved, key_mask, v, do, dq, dk, dv), **cfg)
     _launch_cached(rope_attn_bwd_dq_kernel, key, (rq, rk, v, do, o, dq, *shared), lambda: plan("dq"))
     _launch_cached(rope_attn_bwd_dkdv_kernel, key, (rq, rk, v, do, dk, dv, *shared), lambda: plan("dkdv"))
