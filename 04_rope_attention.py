@@ -106,14 +106,9 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # ------------------
 # QK^T sums over channels, so q and k may hold them in any order they share. rq [b, h, s, W] and rk [b, h_kv, s, W]
 # hold per row the a members of the d2/2 pairs (rotate-half: channel i; interleaved: 2i), zero-padded to a power
-# of two HALF, then the b members likewise, then the d - d2 channels that are not rotated, padded to a multiple of
-# 8 (W: 16-byte rows). A loop loads a tile as one [rows, 2 * HALF] block with no channel mask, and QK^T is one dot
-# (plus one for the pass-through channels). q and k are rotated in float32 and rounded once.
-#
-# Loads on Hopper: past 1024 tokens the forward's loop reads rk and v through tensor descriptors
-# (tl.make_tensor_descriptor), the copy engine (TMA) moving each pair of tiles to shared memory, bounds handled by
-# the hardware, while the warps compute. Shorter sequences and the backward's loops load through pointers, which
-# measured faster there (results/04_rope_attention_ab.log), as does a v whose strides a descriptor cannot express.
+# of two HALF, then the b members likewise, then the d - d2 channels that are not rotated: W = 2 * HALF + d - d2.
+# A loop loads a tile as one [rows, 2 * HALF] block with no channel mask, and QK^T is one dot (plus one for the
+# pass-through channels). q and k are rotated in float32 and rounded once.
 #
 # The backward
 # ------------
@@ -263,25 +258,18 @@ def _masked(x, q_idx, k_idx, seqlen, key_mask_row, fill, diagonal, CAUSAL: tl.co
 
 
 @triton.jit
-def _tile(desc, start, ptrs, mask, DESC: tl.constexpr, UNMASKED: tl.constexpr):
-    """Rows start ... of a [s, d] tile: a TMA load through the descriptor (rows and channels past the end read as 0)
-    where DESC, else a pointer load."""
-    if DESC:
-        return desc.load([start, 0])
-    return _load(ptrs, mask, 0.0, UNMASKED)
-
-
-@triton.jit
-def _scores(x_r, x_p, y_r, y_rows, y_ok, n_pass, HALF: tl.constexpr, PASS: tl.constexpr, HAS_PASS: tl.constexpr):
-    """x y^T for tiles of rq and rk, x_r and y_r their rotated halves, x_p and y_p their pass-through channels, y_p
-    loaded here from the rows y_rows (in bounds where y_ok); returns the scores and y_p."""
+def _scores(x_r, x_p, y_rows, y_ok, n_pass, HALF: tl.constexpr, PASS: tl.constexpr, HAS_PASS: tl.constexpr,
+            EVEN: tl.constexpr):
+    """x y^T for a tile x held in registers (x_r: the rotated halves, x_p: the pass-through channels) and the rows
+    y_rows of rq or rk, loaded whole; returns the scores and y's two parts."""
+    y_r = _load(y_rows + tl.arange(0, 2 * HALF)[None, :], y_ok, 0.0, EVEN)
     scores = tl.dot(x_r, tl.trans(y_r))
     y_p = x_p  # (unused without HAS_PASS)
     if HAS_PASS:
         c = tl.arange(0, PASS)[None, :]
         y_p = tl.load(y_rows + 2 * HALF + c, mask=y_ok & (c < n_pass), other=0.0)
         scores = tl.dot(x_p, tl.trans(y_p), scores)
-    return scores, y_p
+    return scores, y_r, y_p
 
 
 @triton.jit
@@ -293,7 +281,6 @@ def rope_attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     W: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, SAVE_RQ: tl.constexpr, WIDE: tl.constexpr,
-    TMA: tl.constexpr,
 ):
     """One block of queries of one head: the output rows and their log-sum-exp (base 2)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -316,37 +303,26 @@ def rope_attn_fwd_kernel(
             tl.store(rq_rows + 2 * HALF + c, q_p, mask=m_ok & (c < n_pass))
     rk_head = rk_ptr + (bh // group).to(tl.int64) * seqlen * W  # rk is [b, h_kv, s, W]: row b * h_kv + h // group
     v_head = v_ptr + b * stride_vb + (h // group) * stride_vh
-    if TMA:  # tensor descriptors: the copy engine moves K and V tiles to shared memory while the warps compute
-        rk_desc = tl.make_tensor_descriptor(rk_head, [seqlen, 2 * HALF], [W, 1], [BLOCK_N, 2 * HALF])
-        v_desc = tl.make_tensor_descriptor(v_head, [seqlen, head_dim], [stride_vs, 1], [BLOCK_N, D])
     # qk_scale (the softmax scale in log2 units, for exp2) is applied in the multiply-add that subtracts the max
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max of the scaled scores
     l_i = tl.zeros((BLOCK_M,), tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
-    # Causal: the keys before this block in a loop with no causal test, then the block's diagonal in a loop of its
-    # own (BLOCK_N divides BLOCK_M); no key past the block's last query.
-    for stage in tl.static_range(2 if CAUSAL else 1):
-        lo, hi = 0, seqlen
-        if CAUSAL:
-            lo, hi = (0, pid_m * BLOCK_M) if stage == 0 else (pid_m * BLOCK_M, tl.minimum((pid_m + 1) * BLOCK_M, seqlen))
-        for start_n in range(lo, hi, BLOCK_N):
-            offs_n = _positions(start_n, BLOCK_N, WIDE)
-            n_ok = (offs_n < seqlen)[:, None]
-            k_rows = rk_head + offs_n[:, None] * W  # k's and v's tiles requested together, before any use
-            k_r = _tile(rk_desc if TMA else None, start_n, k_rows + tl.arange(0, 2 * HALF)[None, :], n_ok, TMA, EVEN_N)
-            v = _tile(v_desc if TMA else None, start_n, v_head + offs_n[:, None] * stride_vs + d * stride_vd,
-                      n_ok & (d < head_dim), TMA, EVEN_N and EVEN_D)
-            scores, _ = _scores(q_r, q_p, k_r, k_rows, n_ok, n_pass, HALF, PASS, HAS_PASS)
-            scores = _masked(scores, offs_m[:, None], offs_n[None, :], seqlen, key_mask_ptr + b * seqlen,
-                             float("-inf"), stage == 1, CAUSAL, HAS_MASK, EVEN_N)
-            m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
-            # with a padding mask, a row that has seen no visible key yet keeps m = -inf: subtract 0 instead
-            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if HAS_MASK else m_new
-            p = tl.exp2(scores * qk_scale - m_new_safe[:, None])
-            alpha = tl.exp2(m_i - m_new_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-            m_i = m_new
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen) if CAUSAL else seqlen  # causal: no key past the block's last query
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = _positions(start_n, BLOCK_N, WIDE)
+        n_ok = (offs_n < seqlen)[:, None]
+        scores, _, _ = _scores(q_r, q_p, rk_head + offs_n[:, None] * W, n_ok, n_pass, HALF, PASS, HAS_PASS, EVEN_N)
+        scores = _masked(scores, offs_m[:, None], offs_n[None, :], seqlen, key_mask_ptr + b * seqlen, float("-inf"),
+                         start_n + BLOCK_N > pid_m * BLOCK_M, CAUSAL, HAS_MASK, EVEN_N)
+        m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
+        # with a padding mask, a row that has seen no visible key yet keeps m = -inf: subtract 0 instead
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if HAS_MASK else m_new
+        p = tl.exp2(scores * qk_scale - m_new_safe[:, None])
+        alpha = tl.exp2(m_i - m_new_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load(v_head + offs_n[:, None] * stride_vs + d * stride_vd, n_ok & (d < head_dim), 0.0, EVEN_N and EVEN_D)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
     empty = l_i == 0.0  # rows that saw no key: output 0, and lse = +inf so the backward's p is 0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     o_rows = o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os
@@ -388,9 +364,8 @@ def rope_attn_bwd_dkdv_kernel(
         for start_m in range(start, seqlen, BLOCK_M):
             offs_m = _positions(start_m, BLOCK_M, WIDE)
             m_ok = (offs_m < seqlen)[:, None]
-            q_rows = rq_ptr + bh * seqlen * W + offs_m[:, None] * W
-            q_r = _load(q_rows + tl.arange(0, 2 * HALF)[None, :], m_ok, 0.0, EVEN_M)
-            scores_t, q_p = _scores(k_r, k_p, q_r, q_rows, m_ok, n_pass, HALF, PASS, HAS_PASS)  # S^T: [BLOCK_N, BLOCK_M]
+            scores_t, q_r, q_p = _scores(k_r, k_p, rq_ptr + bh * seqlen * W + offs_m[:, None] * W, m_ok, n_pass, HALF,
+                                         PASS, HAS_PASS, EVEN_M)  # S^T: [BLOCK_N, BLOCK_M]
             lse = _load(lse_ptr + bh * seqlen + offs_m, offs_m < seqlen, float("inf"), EVEN_M)
             p_t = tl.exp2(scores_t * qk_scale - lse[None, :])
             p_t = _masked(p_t, offs_m[None, :], offs_n[:, None], seqlen, key_mask_ptr + b * seqlen, 0.0,
@@ -448,9 +423,7 @@ def rope_attn_bwd_dq_kernel(
     for start_n in range(0, hi, BLOCK_N):
         offs_n = _positions(start_n, BLOCK_N, WIDE)
         n_ok = (offs_n < seqlen)[:, None]
-        k_rows = rk_head + offs_n[:, None] * W
-        k_r = _load(k_rows + tl.arange(0, 2 * HALF)[None, :], n_ok, 0.0, EVEN_N)
-        scores, k_p = _scores(q_r, q_p, k_r, k_rows, n_ok, n_pass, HALF, PASS, HAS_PASS)
+        scores, k_r, k_p = _scores(q_r, q_p, rk_head + offs_n[:, None] * W, n_ok, n_pass, HALF, PASS, HAS_PASS, EVEN_N)
         p = tl.exp2(scores * qk_scale - lse[:, None])
         p = _masked(p, offs_m[:, None], offs_n[None, :], seqlen, key_mask_ptr + b * seqlen, 0.0,
                     start_n + BLOCK_N > pid_m * BLOCK_M, CAUSAL, HAS_MASK, EVEN_N)
@@ -468,16 +441,14 @@ def rope_attn_bwd_dq_kernel(
 # Launching the kernels
 # ---------------------
 # Tile configs (BLOCK_M, BLOCK_N, warps, stages) per kernel and shape class, from per-shape sweeps (results/
-# 04_rope_attention_sweep.log; the backward's and the descriptors', _ab.log): at d = 64 short sequences want small
-# query blocks in the forward (more programs to fill the GPU); past 1024 tokens, on descriptors, 128 x 128 tiles and
-# 8 warps win at every d; short causal sequences at d = 128 favour the smaller tiles; at d = 64 the dq kernel wants
-# 4 warps with a padding mask, 8 without. BLOCK_N divides BLOCK_M (the causal forward's diagonal loop relies on it).
-# The interpreter runs 32 x 32 tiles.
+# 04_rope_attention_sweep.log; the backward's, _ab.log): at d = 64 short sequences want small query blocks in the
+# forward (more programs to fill the GPU), longer ones 128 x 128; at d = 128 causality favours the smaller tiles; at
+# d = 64 the dq kernel wants 4 warps with a padding mask, 8 without. The interpreter runs 32 x 32 tiles.
 CONFIGS = {
-    ("fwd", "s<=1024, d<=64"): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-    ("fwd", "s<=1024, d>64, causal"): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
-    ("fwd", "s<=1024, d>64"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
-    ("fwd", "s>1024"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),  # tensor descriptors
+    ("fwd", "d<=64, s<=1024"): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+    ("fwd", "d<=64, s>1024"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3),
+    ("fwd", "d>64, causal"): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    ("fwd", "d>64"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
     ("dkdv", "d<=64"): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     ("dkdv", "d>64"): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
     ("dq", "d<=64"): dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
@@ -486,7 +457,6 @@ CONFIGS = {
 }
 PASS_CONFIG = dict(ROWS=64, num_warps=4)  # rows (positions x heads) per program of the rotation pass
 INT32_LIMIT = 2**31  # offsets within a head that could reach this are int64 (WIDE); a test lowers it
-TMA_MIN_SEQLEN = 1024  # longer sequences: the forward loads through tensor descriptors; a test lowers it
 _checked, _launches = {}, {}
 # An eager call on small tensors is bound by the host. Triton's ``kernel[grid](...)`` binds and specializes some
 # forty arguments on every call, and the checks and launch parameters would be rebuilt each time, yet all of it
@@ -529,7 +499,7 @@ def _launch_cached(kernel, key, tensors, plan):
 def _config(kernel, head_dim, seqlen=0, causal=False, masked=False):
     shape = "d<=64" if head_dim <= 64 else "d>64"
     if kernel == "fwd":
-        shape = "s>1024" if seqlen > 1024 else f"s<=1024, {shape}" + (", causal" if causal and head_dim > 64 else "")
+        shape += (", s<=1024" if seqlen <= 1024 else ", s>1024") if head_dim <= 64 else (", causal" if causal else "")
     elif kernel == "dq" and head_dim <= 64 and masked:
         shape += ", mask"
     config = dict(CONFIGS[(kernel, shape)])
@@ -545,7 +515,7 @@ def _dims(q, k, rot_dim):
     half, n_pass = rot_dim // 2, q.shape[3] - rot_dim
     HALF = _pow2(half, 8)  # 2 * HALF >= 16: a dot's smallest K
     return dict(batch=q.shape[0], seqlen=q.shape[1], n_heads=q.shape[2], n_kv_heads=k.shape[2], head_dim=q.shape[3],
-                half=half, n_pass=n_pass, HALF=HALF, PASS=_pow2(n_pass, 16), W=2 * HALF - (-n_pass // 8) * 8,
+                half=half, n_pass=n_pass, HALF=HALF, PASS=_pow2(n_pass, 16), W=2 * HALF + n_pass,
                 D=_pow2(q.shape[3], 16))
 
 
@@ -565,16 +535,6 @@ def _constexprs(dims, causal, interleaved, key_mask, *tensors):
                 EVEN_D=dims["D"] == dims["head_dim"], WIDE=max(ends + [dims["seqlen"] * dims["W"]]) >= INT32_LIMIT)
 
 
-def _tma_ok(x):
-    """Can a tensor descriptor read x [b, s, h, d]: channels contiguous, the address and other strides in 16 bytes?"""
-    return x.stride(3) == 1 and x.data_ptr() % 16 == 0 and all(x.stride(i) * x.element_size() % 16 == 0 for i in range(3))
-
-
-def _scratch(size, alignment, stream):
-    """Global memory for the descriptors the kernels make (tl.make_tensor_descriptor); Triton asks for it at launch."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def _forward_fake(qkv, freqs, key_mask, sm_scale, causal, interleaved, save_rotated):
     """The forward op's outputs, empty: (o, lse, rq, rk, trig); rq is empty when no backward will run; trig is the
     float32 table [s, 4 * HALF] of cos_a, sin_a, cos_b, sin_b per position."""
@@ -591,7 +551,6 @@ def _forward(qkv: List[Tensor], freqs: Tensor, key_mask: Optional[Tensor], sm_sc
              interleaved: bool, save_rotated: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The forward op: qkv is [q, k, v], or [qkv] packed as [b, s, 3, h, d]."""
     q, k, v = qkv if len(qkv) == 3 else qkv[0].unbind(2)
-    triton.set_allocator(_scratch)  # per thread (a context variable), so set where the launch is
     o, lse, rq, rk, trig = _forward_fake(qkv, freqs, key_mask, sm_scale, causal, interleaved, save_rotated)
     key = _signature(q, k, v, freqs, key_mask, sm_scale, causal, interleaved, save_rotated)
 
@@ -610,7 +569,7 @@ def _forward(qkv: List[Tensor], freqs: Tensor, key_mask: Optional[Tensor], sm_sc
         s, h, cfg = dims["seqlen"], dims["n_heads"], _config("fwd", dims["head_dim"], dims["seqlen"], causal)
         return (triton.cdiv(s, cfg["BLOCK_M"]), dims["batch"] * h), (
             sm_scale * LOG2E, s, h, h // dims["n_kv_heads"], dims["half"], dims["n_pass"], *_strides(q, v, o)), dict(
-            EVEN_N=s % cfg["BLOCK_N"] == 0, SAVE_RQ=save_rotated, TMA=s > TMA_MIN_SEQLEN and _tma_ok(v), **cfg,
+            EVEN_N=s % cfg["BLOCK_N"] == 0, SAVE_RQ=save_rotated, **cfg,
             **_constexprs(dims, causal, interleaved, key_mask, q, v, o))
     _launch_cached(rope_pass_kernel, key, (k, rk, freqs, trig), plan_pass)
     _launch_cached(rope_attn_fwd_kernel, key, (q, rk, v, o, lse, rq, trig, key_mask if key_mask is not None else lse),
