@@ -72,7 +72,7 @@ def parse_args(argv=None):
     add("--init-from", help="a Hugging Face RoFormer checkpoint directory")
     add("--resume", action="store_true", help="continue the run in --out (from ckpt.pt, or ckpt-prev.pt if need be)")
     add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model (None: with a GPU)")
-    add("--cuda-graphs", action=argparse.BooleanOptionalAction, help="replay the encoder (None: GPU without torchrun)")
+    add("--cuda-graphs", action=argparse.BooleanOptionalAction, help="replay the encoder (None: with a GPU)")
     add("--bench", action="store_true", help="time training steps at BERT-base's shape, then exit")
     add("--bench-paths", metavar="P,Q", help="--bench only these, e.g. fused+compile+graphs,hf+compile")
     numbers = (  # flag, default with a GPU, without one, the values allowed
@@ -82,7 +82,8 @@ def parse_args(argv=None):
         ("eval-interval", 200, 10, "v >= 1"), ("eval-batches", 20, 2, "v >= 1"), ("ckpt-interval", 500, 10, "v >= 1"),
         ("stop-after", 0, 0, "v >= 0"), ("seed", 1337, 1337, "v >= 0"), ("bench-steps", 20, 1, "v >= 1"),
         ("bench-rounds", 2, 1, "v >= 1"), ("lr", 5e-4, 5e-4, "0 < v < inf"), ("clip", 1.0, 1.0, "0 < v < inf"),
-        ("weight-decay", 0.01, 0.01, "0 <= v < inf"), ("mask-prob", 0.15, 0.15, "0 < v <= 1"))
+        ("weight-decay", 0.01, 0.01, "0 <= v < inf"), ("mask-prob", 0.15, 0.15, "0 < v <= 1"),
+        ("dropout", 0.1, 0.1, "0 <= v < 1"))
     for name, gpu, cpu, rule in numbers:
         add("--" + name, type=type(gpu), default=gpu if on_gpu else cpu, help=rule + f"; {gpu} on a GPU" * (gpu != cpu)
             + "; stop after this many steps, with a checkpoint (0: never)" * (name == "stop-after"))
@@ -94,6 +95,7 @@ def parse_args(argv=None):
     binary = (head.count(0) + head.decode("utf-8", "replace").count("\ufffd")) / len(head) if head else 0.0
     cfg = hf_config(args.init_from) if args.init_from else RoFormerConfig(
         VOCAB, args.hidden, args.layers, args.heads, 4 * args.hidden)
+    cfg.hidden_dropout_prob = args.dropout  # a loaded model's too, as nanoGPT overrides it
     paths = [m + mode for m in ATTN_PATHS + ("hf",) for mode in ("", "+compile", "+graphs", "+compile+graphs")
              if (on_gpu and m != "hf") or "graphs" not in mode]  # --bench: each path eager, compiled, graphed and both
     d, unknown = cfg.hidden_size // cfg.num_attention_heads, {*(args.bench_paths or "").split(",")} - {"", *paths}
@@ -110,8 +112,7 @@ def parse_args(argv=None):
         if bad:
             sys.exit(why)
     args.bench_paths = [p for p in paths if not args.bench_paths or p in args.bench_paths.split(",")]
-    args.compile = on_gpu if args.compile is None else args.compile
-    args.cuda_graphs = on_gpu and "RANK" not in os.environ if args.cuda_graphs is None else args.cuda_graphs
+    args.compile, args.cuda_graphs = (on_gpu if v is None else v for v in (args.compile, args.cuda_graphs))
     if not args.bench:
         try:  # found now, not at the first checkpoint
             os.makedirs(args.out, exist_ok=True)
@@ -324,8 +325,8 @@ def hf_config(path):
     return RoFormerConfig(**{k: v for k, v in hf.items() if k in fields and v is not None})
 
 
-def load_hf_checkpoint(path, attn):
-    model, st = RoFormerForMaskedLM(hf_config(path), attn), os.path.join(path, "model.safetensors")
+def load_hf_checkpoint(path, attn, cfg=None):
+    model, st = RoFormerForMaskedLM(cfg or hf_config(path), attn), os.path.join(path, "model.safetensors")
     state = (importlib.import_module("safetensors.torch").load_file(st) if os.path.isfile(st)  # with transformers
              else torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True))
     state = {k: v for k, v in state.items() if "embed_positions" not in k}  # sinusoidal: recomputed
@@ -342,8 +343,9 @@ def load_hf_checkpoint(path, attn):
 # --------------------------------------
 # Bytes are the tokens. Documents (by default the Python standard library's source) stream in pieces,
 # joined with [SEP] and cut into [CLS] + (seq_len - 2) tokens + [SEP] from one flat int32 array
-# (slices done in C: a Python list would be copied at every cut). Sequence i is held out if i % 50 == 0; the
-# others are dealt to the ranks in turn, and a rank's position in its stream is what a checkpoint stores.
+# (slices done in C: a Python list would be copied at every cut). Sequence i is held out if i % 50 == 0; the others
+# go to the ranks a batch each in turn, masked by the batch's place, so that `world` ranks train on what one rank
+# with `world` times the accumulation would; a rank's position in its stream is what a checkpoint stores.
 
 
 def documents(path, block_bytes=1 << 20):
@@ -373,12 +375,12 @@ def batches(data, seq_len, batch_size, rank, world, start=0, held_out=False):
     """Endless batches (input_ids, attention_mask) of this rank's share of the training sequences after
     its first `start` (a resumed run's position, across epochs); held_out=True: of the held-out ones, once.
     A batch runs on across an epoch's end, so that no sequence is dropped and `start` counts them all."""
-    ids, lengths = array.array("i"), []
+    ids, lengths, index = array.array("i"), [], itertools.count()  # index: of a sequence in the stream of epochs
     for _ in range(1) if held_out else itertools.count():  # held out: one pass; training: epoch after epoch
         found = 0
         split = (s for i, s in enumerate(sequences(data, seq_len)) if (i % 50 == 0) == held_out)
-        for found, (seq, n) in enumerate(itertools.islice(split, rank, None, world), 1):
-            if (start := start - 1) >= 0:  # a resumed run's first `start` sequences (over its epochs) were seen
+        for found, (seq, n) in enumerate(split, 1):
+            if next(index) // batch_size % world != rank or (start := start - 1) >= 0:  # another rank's, or seen
                 continue
             ids.extend(seq)
             lengths.append(n)
@@ -387,7 +389,7 @@ def batches(data, seq_len, batch_size, rank, world, start=0, held_out=False):
                        torch.arange(seq_len)[None, :] < torch.tensor(lengths)[:, None])
                 ids, lengths = array.array("i"), []
         if not found:
-            sys.exit(f"--data has too little text: rank {rank} of {world} gets no sequence of {seq_len} tokens")
+            sys.exit(f"--data has too little text: no sequence of {seq_len} tokens")
 
 
 def to_device(batch_tensor, device):
@@ -502,18 +504,15 @@ def prepare(model, args, ddp, device, compiled, graphs_shape=None):
                                    {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=args.weight_decay, fused=cuda)
     capture_cuda_graphs(model, *graphs_shape, compiled=compiled) if graphs_shape else None
-    if ddp:  # gradient_as_bucket_view: no copy of the gradients into DDP's buckets
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if cuda else None,
-                                                    gradient_as_bucket_view=True)
-        # All-reduced after the backward: Dynamo's split of the graph at the gradient buckets (optimize_ddp)
-        # made steps slower (results/05_ddp_split.log).
-        torch._dynamo.config.optimize_ddp = False
+    if ddp:  # gradient_as_bucket_view: no copy of the gradients into DDP's buckets; the one buffer (RoPE's
+        model = nn.parallel.DistributedDataParallel(  # angles) is the same on every rank: none broadcast a step
+            model, device_ids=[device] if cuda else None, gradient_as_bucket_view=True, broadcast_buffers=False)
+        torch._dynamo.config.optimize_ddp = False  # one graph, not split at the buckets: faster (results/05_ddp_split.log)
     return torch.compile(model, backend="inductor" if cuda else "aot_eager") if compiled else model, optimizer
 
 
 def train_step(model, optimizer, micro_batches, args, ddp):
-    """One optimizer step over the micro-batches; their mean loss and masked accuracy, left on the device
-    (an .item() would make the host wait for the GPU)."""
+    """One optimizer step over the micro-batches; their mean loss and masked accuracy, left on the device."""
     n, loss_sum, acc_sum = len(micro_batches), 0.0, 0.0
     for i, batch in enumerate(micro_batches):
         with model.no_sync() if ddp and i < n - 1 else contextlib.nullcontext():  # DDP all-reduces on the last
@@ -532,7 +531,7 @@ def train(args, ddp, rank, world, device):
     """The training loop; returns the logged history (list of dicts)."""
     master, cuda, ckpt, cfg = rank == 0, device.type == "cuda", vars(args).pop("checkpoint"), vars(args).pop("config")
     torch.manual_seed(args.seed + rank)
-    model = load_hf_checkpoint(args.init_from, args.attn) if args.init_from else RoFormerForMaskedLM(cfg, args.attn)
+    model = load_hf_checkpoint(args.init_from, args.attn, cfg) if args.init_from else RoFormerForMaskedLM(cfg, args.attn)
     n_params, matmul_rate = sum(p.numel() for p in model.parameters()), matmul_tflops(device) if cuda else 1
     # `model` itself is saved and evaluated: no DDP "module." or compiled "_orig_mod." prefix
     stepped, optimizer = prepare(model.to(device), args, ddp, device, args.compile,
@@ -574,15 +573,17 @@ def train(args, ddp, rank, world, device):
                         else max(0.0, (args.max_steps - step) / max(1, args.max_steps - args.warmup)))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 101 + rank)  # masks depend on the step
-        micro_batches = [device_batch(*next(train_batches), args, gen, device) for _ in range(args.grad_accum)]
+        micro_batches = [device_batch(*next(train_batches), args, torch.Generator().manual_seed(
+            args.seed * 1_000_003 + (step * args.grad_accum + i) * world + rank), device) for i in range(args.grad_accum)]
         seen = [n + args.batch_size * args.grad_accum for n in seen]  # as many on every rank: no need to ask them
         loss, acc = train_step(stepped, optimizer, micro_batches, args, ddp)
         step, timed_steps = step + 1, timed_steps + 1
         timed_apart = step == first_step + 1  # the first step (traced and compiled), logs, evaluations, saves
-        if master and (step % args.log_interval == 0 or step == args.max_steps):
-            loss, acc = loss.item(), acc.item()  # waits for the GPU: the time below is its time
-            dt, timed_apart = (time.perf_counter() - t0) / timed_steps, True
+        if logged := step % args.log_interval == 0 or step == args.max_steps:  # the step's loss: mean over ranks
+            stats = torch.stack((loss, acc)) / world
+            torch.distributed.all_reduce(stats) if ddp else None  # a sum of the ranks' shares (gloo has no mean)
+            (loss, acc), dt, timed_apart = stats.tolist(), (time.perf_counter() - t0) / timed_steps, True
+        if master and logged:
             log(dict(step=step, loss=loss, acc=acc, lr=lr, ms=dt * 1e3, tok_s=tokens_per_step / dt))
             mfu = flops_per_token(n_params, cfg, args.seq_len) * tokens_per_step / world / dt / 1e12 / matmul_rate
             gpu = f" | MFU {mfu:.1%} | peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if cuda else ""
@@ -627,7 +628,8 @@ def evaluate(model, eval_batches, args, device):
 
 
 def bench(args, ddp, rank, world, device):
-    cuda = device.type == "cuda"
+    if not (cuda := device.type == "cuda") and rank == 0:
+        print("NO GPU: a tiny model in Triton's interpreter; the numbers say nothing about speed.")
     seq, batch = (args.seq_len, args.batch_size) if cuda else (32, 2)
     cfg = RoFormerConfig(*((30522, 768, 12, 12, 3072) if cuda else (300, 32, 2, 2, 64)), max_position_embeddings=seq,
                          pad_token_id=0)
@@ -678,8 +680,6 @@ def main(argv=None):
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if ddp else (0, 1)
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if cuda else "cpu")
     torch.cuda.set_device(device) if cuda else None
-    if args.bench and not cuda and rank == 0:
-        print("NO GPU: a tiny model in Triton's interpreter; the numbers say nothing about speed.")
     try:
         result = (bench if args.bench else train)(args, ddp, rank, world, device)
     except torch.cuda.OutOfMemoryError:  # a clear message, not a stack trace from deep inside autograd

@@ -436,7 +436,7 @@ def test_default_run_writes_logs_and_a_checkpoint(tmp_path):
 
 
 def _torchrun_two_ranks(args, out, timeout=600):
-    """05 under torchrun with two ranks (gloo); the finished process."""
+    """05 under torchrun with two ranks (gloo on the CPU, NCCL on two GPUs); the finished process."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for attempt in range(2):
         result = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2",
@@ -457,6 +457,23 @@ def test_ddp_two_ranks_on_cpu(tmp_path, compile_flag):
     result = _torchrun_two_ranks(["--max-steps", "4"] + TINY + [compile_flag], tmp_path)
     assert "2 rank(s)" in result.stdout and ("torch.compile" in result.stdout) == (compile_flag == "--compile")
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["seen"] == [8, 8]  # 4 steps x batch 2, per rank
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None or ON_GPU and torch.cuda.device_count() < 2,
+                    reason="two ranks: gloo on the CPU, NCCL on two GPUs")
+def test_two_ranks_train_as_one_with_twice_the_accumulation(tmp_path):
+    """A step of two ranks trains on the micro-batches, masks included, of one rank with twice the accumulation,
+    and logs the mean loss over the ranks: without dropout, the two runs log the same losses and held-out losses
+    to rounding (fp32 on the CPU; on two GPUs bf16, compiled and graphed, the defaults there)."""
+    flags = ["--max-steps", "6", "--dropout", "0"] + [f for f in TINY if not (ON_GPU and f.startswith("--no-"))]
+    _torchrun_two_ranks(flags, tmp_path / "two")
+    train.main(flags + ["--grad-accum", "2", "--out", str(tmp_path / "one")])
+    one, two = (list(csv.DictReader(open(tmp_path / run / "log.csv"))) for run in ("one", "two"))
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    pairs = [(float(x[key]), float(y[key])) for x, y in zip(one, two) for key in ("loss", "val_loss") if x[key]]
+    assert len(pairs) == 6 + 2  # a loss each step, held-out losses at steps 4 and 6
+    for x, y in pairs:
+        assert x == pytest.approx(y, rel=2e-3 if ON_GPU else 1e-5)
 
 
 def test_two_paths_train_alike_from_the_same_seed(tmp_path):
@@ -527,13 +544,12 @@ def test_compiled_training_matches_eager_and_its_checkpoints_load_either_way(tmp
 
 
 def test_compile_and_cuda_graphs_defaults(monkeypatch, tmp_path):
-    """On a GPU both are on (the encoder compiled, then captured), the graphs off under torchrun; on the
-    CPU both are off."""
+    """On a GPU both are on (the encoder compiled, then captured), under torchrun too; on the CPU both are off."""
     args = train.parse_args(["--out", str(tmp_path)])
     assert (args.compile, args.cuda_graphs) == (ON_GPU, ON_GPU)
     monkeypatch.setenv("RANK", "0")
     args = train.parse_args(["--out", str(tmp_path)])
-    assert (args.compile, args.cuda_graphs) == (ON_GPU, False)
+    assert (args.compile, args.cuda_graphs) == (ON_GPU, ON_GPU)
 
 
 @pytest.mark.parametrize("argv, message", [
