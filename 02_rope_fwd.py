@@ -4,14 +4,13 @@ RoPE forward in one pass over memory
 
 In this tutorial, you will learn about:
 
-* TransformerEngine's RoPE semantics, shared by every later step: the ``sbhd`` / ``bshd`` / ``thd``
-  layouts, partial rotary (``d2 < d``), rotate-half and interleaved pairs, arbitrary per-channel
-  angles, and ``start_positions`` for KV-cache decoding;
-* why the eager formula moves about 4.5x the bytes it needs, and a kernel that reads and writes
-  each element once, at any strides (a slice of a packed qkv, a transposed view), with 64-bit
-  offsets, head dims up to 256 (80 and 96 too), any head count, and q and k (GQA) in one launch;
-* checking values that live on the GPU (``cu_seqlens``) without a host sync on every call, and an eager call
-  that costs about four empty ops: checks and the compiled kernel kept per signature of the arguments;
+* TransformerEngine's RoPE semantics, shared by every later step: ``sbhd`` / ``bshd`` / ``thd`` layouts, partial
+  rotary (``d2 < d``), rotate-half and interleaved pairs, any per-channel angles, ``start_positions`` (KV cache);
+* why the eager formula moves about 4.5x the bytes it needs, and a kernel that reads and writes each element once,
+  at any strides (a slice of a packed qkv, a transposed view), with 64-bit offsets, head dims up to 256 (80 and 96
+  too), any head count, and q and k (GQA) in one launch;
+* checking values that live on the GPU (``cu_seqlens``) without a host sync on every call, and an eager call that
+  costs about four empty ops: checks and the compiled kernel kept per signature of the arguments;
 * an opaque ``torch.library.custom_op`` that writes its outputs, for ``torch.compile(fullgraph=True)``;
 * measuring a memory-bound kernel against the copy bandwidth of the same GPU, in the same run.
 
@@ -65,11 +64,9 @@ MAX_HEAD_DIM = 256
 
 
 def rope_freqs(max_seq_len, rotary_dim, base=10000.0, interleaved=False, device=None):
-    """Angle table f[pos, 0, 0, c] = pos * base**(-2*(c//2 or c mod d2/2)/d2), float32.
-
-    Returns ``[max_seq_len, 1, 1, rotary_dim]``, laid out as TE's ``RotaryPositionEmbedding``:
-    the d2/2 inverse frequencies repeated as two halves (rotate-half) or as pairs (interleaved).
-    """
+    """Angle table f[pos, 0, 0, c] = pos * base**(-2*(c//2 or c mod d2/2)/d2), float32 [max_seq_len, 1, 1, rotary_dim],
+    laid out as TE's ``RotaryPositionEmbedding``: the d2/2 inverse frequencies repeated as two halves (rotate-half)
+    or as pairs (interleaved)."""
     inv_freq = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
     angles = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), dim=-1)
@@ -106,21 +103,20 @@ def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens
 # %%
 # Memory traffic
 # --------------
-# Any implementation reads and writes the N elements of q and k once, plus the angle rows (4*d2 bytes a
-# position, shared through L2 by the whole batch). With a small batch the table is not small: at
-# (b, s, h, d) = (1, 32768, 8, 128) in bf16, q and k move 128 MB and the float32 table 16 MB, a cap of
-# 128/144 = 89% of a copy. Real tables have equal halves, so the kernel reads one half when a flag says
-# so (cap 128/136 = 94%); any other table still works, at the full cost. The eager formula moves x*cos
-# (N read, N written), R(x) (N, N), R(x)*sin (N, N) and the sum (2N, N): 9N, ~4.5x the 2N of one pass.
-# The yardstick is a device-to-device copy of the same 2N (the table, which the copy lacks, is not counted).
+# Any implementation reads and writes the N elements of q and k once, plus the angle rows (4*d2 bytes a position,
+# shared through L2 by the batch). With a small batch the table counts: at (b, s, h, d) = (1, 32768, 8, 128) in
+# bf16, q and k move 128 MB and the float32 table 16 MB, a cap of 128/144 = 89% of a copy. Real tables have equal
+# halves, so the kernel reads one half when a flag says so (cap 128/136 = 94%); any other table works at full cost.
+# The eager formula moves x*cos (N read, N written), R(x) (N, N), R(x)*sin (N, N) and the sum (2N, N): 9N, ~4.5x
+# the 2N of one pass. The yardstick is a device-to-device copy of the same 2N (the table is not counted).
 #
 # The kernel
 # ----------
-# One program takes BLOCK_S tokens of one sequence and all heads of q and k, BLOCK_H at a time (any head
-# count); the angles depend on the position only, so cos and sin are taken once for every head. Each tile
-# is read and written once, in contiguous loads (_load_pairs). Pass-through channels (d2 < d) are copied
-# unless in place. Offsets come from the strides, in int64 (views, tensors past 2**31 elements). In thd the
-# batch index picks a sequence through cu_seqlens and the batch stride is 0: one kernel for three layouts.
+# One program takes BLOCK_S tokens of one sequence and all heads of q and k, BLOCK_H at a time (any head count):
+# cos and sin, which depend on the position only, are taken once for every head. Each tile is read and written
+# once, in contiguous loads (_load_pairs); pass-through channels (d2 < d) are copied. Offsets come from the strides,
+# in int64 (views, tensors past 2**31 elements). In thd, cu_seqlens maps the batch index to a sequence and the batch
+# stride is 0: one kernel for three layouts.
 
 
 @triton.jit
@@ -241,22 +237,20 @@ def rope_fwd_kernel(
 # %%
 # The wrapper: argument checks, then one launch
 # ---------------------------------------------
-# A bad argument fails here with a message naming it, never inside the kernel or as a wrong result. The
-# values of cu_seqlens and start_positions live on the GPU and cost a host sync to read; q, k and every
-# layer of a batch share those tensors, so the verdict is kept for the last tensors seen (by identity and
-# version counter, which in-place writes bump), like the table's "halves equal" flag: a batch pays once.
+# A bad argument fails here with a message naming it, never inside the kernel or as a wrong result. Reading the
+# values of cu_seqlens and start_positions costs a host sync; q, k and every layer of a batch share those tensors,
+# so the verdict is kept for the last tensors seen (by identity and version counter, which in-place writes bump),
+# as is the table's "halves equal" flag: a batch pays once.
 #
-# On small tensors the GPU waits for the host: the kernel runs for microseconds, the Python before its launch
-# for longer. Triton's ``kernel[grid](...)`` binds and specializes its 45 arguments on every call, and our checks
-# and launch parameters would be rebuilt each time, yet all of it depends only on the call's signature: the
-# tensors' shapes, strides, dtypes, devices and 16-byte alignment (Triton specializes pointers on it). So the
-# checks run once per signature, and its later calls launch the compiled kernel directly (what a call costs:
-# results/03_rope_bwd_H100.md).
+# On small tensors the GPU waits for the host: the kernel runs for microseconds, the Python before its launch for
+# longer. Triton's ``kernel[grid](...)`` binds and specializes its 45 arguments on every call, and our checks and
+# launch parameters would be rebuilt each time, yet all of it depends only on the call's signature (the tensors'
+# shapes, strides, dtypes, devices and 16-byte alignment, on which Triton specializes pointers): so the checks run
+# once per signature, and later calls launch the compiled kernel directly.
 #
-# Under torch.compile the launch is a torch.library.custom_op that writes its outputs (mutates_args), one
-# opaque node for fullgraph=True. A graph must not sync, so compiled calls skip the value checks, and in thd
-# the grid covers a bound on the longest sequence, min(tokens, rows of freqs): programs past a sequence's end
-# return at once.
+# Under torch.compile the launch is a torch.library.custom_op that writes its outputs (mutates_args), one opaque
+# node for fullgraph=True. A graph must not sync, so compiled calls skip the value checks, and in thd the grid
+# covers a bound on the longest sequence, min(tokens, rows of freqs): programs past a sequence's end return at once.
 
 _checked, _launches, _last_results = {}, {}, {}
 
@@ -324,47 +318,18 @@ def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
 
 def _angles_shared(freqs, interleaved):
     """int32 [1], computed on the device: 1 if f_b == f_a everywhere (the kernel then reads half the table)."""
-    def compute():
-        f = freqs[:, 0, 0]
-        f_a, f_b = (f[:, 0::2], f[:, 1::2]) if interleaved else f.chunk(2, dim=-1)
+    def compute():  # traced into the graph under torch.compile; the memo is eager-only
+        f_a, f_b = (freqs[..., 0::2], freqs[..., 1::2]) if interleaved else freqs.chunk(2, dim=-1)
         return (f_a == f_b).all().to(torch.int32).reshape(1)
-    # Traced into the graph under torch.compile; the memo is eager-only.
     return compute() if torch.compiler.is_compiling() else _remember("angles shared", (freqs,), (interleaved,), compute)
 
 
 def _layout(t, tensor_format):
     """(batch, seqlen, heads, head_dim) and the strides in that order; thd has batch stride 0."""
-    if tensor_format == "sbhd":
-        return (t.shape[1], t.shape[0], t.shape[2], t.shape[3]), (t.stride(1), t.stride(0), t.stride(2), t.stride(3))
-    if tensor_format == "bshd":
-        return tuple(t.shape), tuple(t.stride())
-    return (None, t.shape[0], t.shape[1], t.shape[2]), (0, t.stride(0), t.stride(1), t.stride(2))
-
-
-def _check_outs(tensors, outs, names):
-    """Each output given matches its input and is that input (in place) or shares no memory with any input (the
-    kernel loads q and k before storing either: an overlap would race). Returns the outputs, and if all in place."""
-    if all(out is None for out in outs):  # fresh outputs cannot overlap anything
-        return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in tensors], False  # as TE's
-    outs = [x.new_empty(x.shape) if o is None else o for x, o in zip(tensors, outs)]
-    out_names = ["out"] if len(outs) == 1 else [n + "_out" for n in names]
-    in_place, tracing = [], torch.compiler.is_compiling()
-    for x, out, name in zip(tensors, outs, out_names):
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
-        if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
-            raise ValueError(f"{name} must match its input's shape, dtype and device: got {tuple(out.shape)} "
-                             f"{out.dtype} {out.device}, expected {tuple(x.shape)} {x.dtype} {x.device}")
-        in_place.append(out is x or (not tracing and out.data_ptr() == x.data_ptr() and out.stride() == x.stride()))
-    if tracing:  # a traced tensor has no address: the overlap check runs in eager mode only
-        return outs, all(in_place)
-    for j, (out, name) in enumerate(zip(outs, out_names)):
-        for i, (x, x_name) in enumerate(zip(tensors, names)):
-            allowed = in_place[j] and (i == j or all(in_place))  # all in place: a packed qkv is fine
-            if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() and not allowed:
-                raise ValueError(f"{name} shares memory with {x_name}; write in place (pass the inputs "
-                                 "themselves as outputs) or to separate buffers")
-    return outs, all(in_place)
+    if tensor_format == "thd":
+        return (None, *t.shape), (0, *t.stride())
+    order = (1, 0, 2, 3) if tensor_format == "sbhd" else (0, 1, 2, 3)
+    return tuple(t.shape[i] for i in order), tuple(t.stride(i) for i in order)
 
 
 def _next_pow2(n):  # plain Python: triton.next_power_of_2 is slow on the host in Triton 3.9
@@ -375,7 +340,7 @@ def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions):
     """The checks that read no tensor's values. Returns the sequence length and whether some channels pass through."""
     if tensor_format not in TENSOR_FORMATS:
         raise ValueError(f"tensor_format must be one of {TENSOR_FORMATS}, got {tensor_format!r}")
-    rank = 3 if tensor_format == "thd" else 4
+    rank, t = 3 if tensor_format == "thd" else 4, tensors[0]
     for x, name in zip(tensors, names):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -383,7 +348,6 @@ def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions):
             raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
         if x.dim() != rank:
             raise ValueError(f"{name} must have {rank} dims for tensor_format='{tensor_format}', got shape {tuple(x.shape)}")
-    t = tensors[0]
     if not isinstance(freqs, torch.Tensor):
         raise TypeError(f"freqs must be a torch.Tensor, got {type(freqs).__name__}")
     if freqs.dtype != torch.float32:
@@ -425,7 +389,7 @@ def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions):
     return seqlen, rot_dim < head_dim
 
 
-def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_positions):
+def _rope(tensors, freqs, tensor_format, interleaved, cu_seqlens, start_positions):
     names, tracing = ("t",) if len(tensors) == 1 else ("q", "k"), torch.compiler.is_compiling()
     check = lambda: _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions)  # noqa: E731
     seqlen, partial = check() if tracing else _once(_checked, _signature(
@@ -440,10 +404,10 @@ def _rope(tensors, outs, freqs, tensor_format, interleaved, cu_seqlens, start_po
         checked = tuple(x for x in (cu_seqlens, start_positions) if x is not None)
         args = (cu_seqlens, start_positions, seqlen, t.shape[0], max_positions)
         seqlen = _remember("values checked", checked, args[2:], lambda: _read_values(*args))
-    outs, in_place = _check_outs(tensors, outs, names)
+    outs = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in tensors]  # contiguous, as TE's
     if t.numel() and seqlen:
         args = (t, outs[0], k, outs[-1] if k is not None else None, freqs, _angles_shared(freqs, interleaved),
-                cu_seqlens, start_positions, seqlen, tensor_format, interleaved, partial and not in_place)
+                cu_seqlens, start_positions, seqlen, tensor_format, interleaved, partial)
         (_rope_op if tracing else _launch)(*args)
     return outs
 
@@ -475,22 +439,14 @@ def _launch(q: torch.Tensor, q_out: torch.Tensor, k: Optional[torch.Tensor], k_o
                                                tensor_format, interleaved, copy_pass), tensors, plan)
 
 
-def _register_op():
-    """_launch as the op rope_fwd_tutorial::rope (a fresh name if this file was loaded before); torch.compile
-    functionalizes its writes (mutates_args), in place or into views of one packed tensor."""
-    n = 0
-    while hasattr(torch.ops.rope_fwd_tutorial, f"rope{n or ''}"):
-        n += 1
-    op = torch.library.custom_op(f"rope_fwd_tutorial::rope{n or ''}", _launch, mutates_args=("q_out", "k_out"))
-    op.register_fake(lambda *args: None)
-    return op
+# _launch as the op rope_fwd_tutorial::rope (a fresh name if this file was loaded before), writing into the fresh
+# outputs that it is given (mutates_args).
+_name = next(f"rope{n or ''}" for n in itertools.count() if not hasattr(torch.ops.rope_fwd_tutorial, f"rope{n or ''}"))
+_rope_op = torch.library.custom_op(f"rope_fwd_tutorial::{_name}", _launch, mutates_args=("q_out", "k_out"))
+_rope_op.register_fake(lambda *args: None)
 
 
-_rope_op = _register_op()
-
-
-def rope_fwd(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
-             start_positions=None, out=None):
+def rope_fwd(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None, start_positions=None):
     """Apply RoPE to t in one Triton kernel (TransformerEngine's ``apply_rotary_pos_emb`` forward).
 
     t: [s, b, h, d] (sbhd) | [b, s, h, d] (bshd) | [total_tokens, h, d] (thd); fp32/fp16/bf16, any strides, d <= 256.
@@ -499,20 +455,18 @@ def rope_fwd(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
     interleaved: rotate pairs (x0, x1), (x2, x3), ... (RoFormer, GPT-J) instead of halves.
     cu_seqlens: int32 [b + 1], thd only: sequence i is tokens cu_seqlens[i]:cu_seqlens[i + 1], from position 0.
     start_positions: int [b]: sequence i uses angle rows start_positions[i] onwards (KV cache).
-    out: where to write (same shape and dtype as t); ``out=t`` rotates in place.
-    Returns the output tensor (new ones are contiguous). Works under torch.compile(fullgraph=True), in place too.
+    Returns a new contiguous tensor. Works under torch.compile(fullgraph=True).
     """
-    return _rope([t], [out], freqs, tensor_format, interleaved, cu_seqlens, start_positions)[0]
+    return _rope([t], freqs, tensor_format, interleaved, cu_seqlens, start_positions)[0]
 
 
-def rope_fwd_qk(q, k, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
-                start_positions=None, q_out=None, k_out=None):
+def rope_fwd_qk(q, k, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None, start_positions=None):
     """Apply RoPE to q and k in a single launch; k may have fewer heads than q (GQA).
 
     q: like ``rope_fwd``'s t; k: the same layout, batch, sequence and head dim, any head count.
-    Returns (q_out, k_out); pass ``q_out=q, k_out=k`` to rotate in place.
+    Returns (q_out, k_out), new contiguous tensors.
     """
-    return tuple(_rope([q, k], [q_out, k_out], freqs, tensor_format, interleaved, cu_seqlens, start_positions))
+    return tuple(_rope([q, k], freqs, tensor_format, interleaved, cu_seqlens, start_positions))
 
 
 # %%
@@ -542,9 +496,8 @@ def self_check():
 # %%
 # Benchmark
 # ---------
-# Ours three ways (GPU time; an eager call, host cost included; under torch.compile), the eager formula, compiled
-# too, and Liger's and flash-attention's Triton kernels if importable, against a copy (results/02_rope_fwd_H100.md).
-
+# Ours three ways, TransformerEngine's unfused formula eager and compiled, Liger's and flash-attention's kernels if
+# importable, against a copy of the same bytes; then an eager call's host cost (results/02_rope_fwd_H100.md).
 BENCH_SHAPES = [(4, 4096, 32, 128), (32, 512, 12, 64), (1, 32768, 8, 128)]  # (b, s, h, d)
 CPU_SHAPES = [(2, 16, 4, 64)]
 TIMED = ("bf16 q and k. Each cell is GPU time, the median of `triton.testing.do_bench_cudagraph` (work replayed from a "
@@ -564,13 +517,13 @@ def _us(fn, eager_call=False):  # median us: a CUDA-graph replay, or ten eager c
 
 
 def benchmark():
-    on_gpu, table = DEVICE.type == "cuda", []
-    eager = lambda q, k, f, **kw: (rope_reference(q, f, compute_dtype=None, **kw),  # noqa: E731
-                                   rope_reference(k, f, compute_dtype=None, **kw))  # TE's unfused formula
-    liger = flash = None
-    if on_gpu:  # compiled per shape (dynamic=False): a shape seen second would otherwise get dynamic-shape kernels
-        torch._dynamo.config.cache_size_limit = 64  # one graph per shape and layout
-        ours_compiled, eager_compiled = (torch.compile(f, fullgraph=True, dynamic=False) for f in (rope_fwd_qk, eager))
+    on_gpu, table, liger, flash = DEVICE.type == "cuda", [], None, None
+    eager = lambda q, k, f, **kw: [rope_reference(x, f, compute_dtype=None, **kw) for x in (q, k)]  # noqa: E731 (TE's)
+    columns = {"ours": rope_fwd_qk, "ours: eager call": rope_fwd_qk, "eager": eager}
+    if on_gpu:  # compiled per shape and layout (dynamic=False: a shape seen second would get dynamic-shape kernels)
+        torch._dynamo.config.cache_size_limit = 64
+        columns.update({"ours: torch.compile": torch.compile(rope_fwd_qk, fullgraph=True, dynamic=False),
+                        "torch.compile": torch.compile(eager, fullgraph=True, dynamic=False)})
         try:
             from liger_kernel.ops.rope import rope_forward as liger
         except ImportError as e:
@@ -582,58 +535,41 @@ def benchmark():
     else:
         print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
               "show that the benchmark runs; they say nothing about speed.")
+    names = ["copy", *columns] + ["liger (in place)"] * bool(liger) + ["flash-attn"] * bool(flash)
+    emit = lambda line: print(line) or table.append(line)  # noqa: E731
+    emit(f"| shape (b, s, h, d) | layout | {' | '.join(names)} |\n" + "|---" * (len(names) + 2) + "|")
     for b, s, h, d in BENCH_SHAPES if on_gpu else CPU_SHAPES:
-        freqs = rope_freqs(s, d, device=DEVICE)
-        q, k = (torch.randn(b, s, h, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
-        src = torch.cat((q.flatten(), k.flatten()))
-        dst, cu_seqlens = torch.empty_like(src), torch.arange(0, b * s + 1, s, dtype=torch.int32, device=DEVICE)
-        # The peers take precomputed bf16 cos/sin tables (not counted in their time), in their own shapes.
-        cos, sin = (f(freqs[:, 0, 0]).to(q.dtype)[None] for f in (torch.cos, torch.sin))  # [1, s, d]
-        half_cos, half_sin = cos[0, :, : d // 2].contiguous(), sin[0, :, : d // 2].contiguous()
-        layouts = {"bshd": (q, k), "sbhd": (q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous()),
-                   "thd": (q.flatten(0, 1), k.flatten(0, 1))}
-        for fmt, (q_f, k_f) in layouts.items():
+        qk, freqs = torch.randn(2, b, s, h, d, device=DEVICE, dtype=torch.bfloat16), rope_freqs(s, d, device=DEVICE)
+        dst, cu_seqlens = torch.empty_like(qk), torch.arange(0, b * s + 1, s, dtype=torch.int32, device=DEVICE)
+        cos, sin = (f(freqs[:, 0, 0]).to(qk.dtype)[None] for f in (torch.cos, torch.sin))  # peers' tables, untimed:
+        h_cos, h_sin = cos[0, :, : d // 2].contiguous(), sin[0, :, : d // 2].contiguous()  # bf16 [1, s, d], [s, d/2]
+        for fmt, (q, k) in {"bshd": qk, "sbhd": qk.transpose(1, 2).contiguous(), "thd": qk.flatten(1, 2)}.items():
             kw = dict(tensor_format=fmt, cu_seqlens=cu_seqlens if fmt == "thd" else None)
-            q_out, k_out = torch.empty_like(q_f), torch.empty_like(k_f)
-            ours = lambda: rope_fwd_qk(q_f, k_f, freqs, q_out=q_out, k_out=k_out, **kw)  # noqa: E731
-            fns = {"copy": lambda: dst.copy_(src), "ours": ours, "ours: eager call": ours,
-                   "eager": lambda: eager(q_f, k_f, freqs, **kw)}
-            if on_gpu:
-                fns["ours: torch.compile"] = lambda: ours_compiled(q_f, k_f, freqs, q_out=q_out, k_out=k_out, **kw)
-                fns["torch.compile"] = lambda: eager_compiled(q_f, k_f, freqs, **kw)
+            fns = {"copy": lambda: dst.copy_(qk), **{n: lambda f=f: f(q, k, freqs, **kw) for n, f in columns.items()}}
             if liger and fmt == "bshd":  # in place, on [b, h, s, d] views of bshd memory
-                fns["liger (in place)"] = lambda: liger(q_f.transpose(1, 2), k_f.transpose(1, 2), cos, sin)
+                fns["liger (in place)"] = lambda: liger(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             if flash:  # bshd (any strides) or thd
                 fa_kw = dict(cu_seqlens=cu_seqlens, max_seqlen=s) if fmt == "thd" else {}
-                fns["flash-attn"] = lambda: [flash(x.transpose(0, 1) if fmt == "sbhd" else x, half_cos, half_sin,
-                                                   **fa_kw) for x in (q_f, k_f)]
+                fns["flash-attn"] = lambda: [flash(x.transpose(0, 1) if fmt == "sbhd" else x, h_cos, h_sin, **fa_kw)
+                                             for x in (q, k)]
             us = {name: _us(fn, name == "ours: eager call") for name, fn in fns.items()}
-            if not table:  # bshd comes first, with every column
-                columns = list(us)
-                table += [f"| shape (b, s, h, d) | layout | {' | '.join(columns)} |", "|---" * (len(us) + 2) + "|"]
-                print("\n".join(table))
-            table.append(f"| {(b, s, h, d)} | {fmt} | " + " | ".join(
-                f"{us[n]:.1f} us" + f" ({100 * us['copy'] / us[n]:.0f}%)" * on_gpu if n in us else "n/a"
-                for n in columns) + " |")
-            print(table[-1])
-    return "\n".join(table + (["", host_cost()] if on_gpu else []))
-
-
-def host_cost(rounds=7, calls=200):  # 03's table, for this file's call: the GPU waits for the host
-    x, freqs = torch.randn(1, 128, 2, 64, device=DEVICE, dtype=torch.bfloat16), rope_freqs(128, 64, device=DEVICE)
-    times = {"empty op (x + 1)": [], "rope_fwd_qk": []}
-    for _, name in itertools.product(range(rounds), times):
-        fn = (lambda: x + 1) if name[0] == "e" else (lambda: rope_fwd_qk(x, x, freqs, "bshd"))
-        fn(), torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        times[name].append((time.perf_counter() - start) / calls * 1e6)
-    (empty, ours) = (sorted(t)[rounds // 2] for t in times.values())
-    return (f"Host cost of an eager call at (1, 128, 2, 64) bf16, bshd (200 calls in a row, one sync, median of 7 "
-            f"interleaved rounds): rope_fwd_qk {ours:.1f} us, an empty op (x + 1) {empty:.1f} us: {ours / empty:.1f} "
-            "empty ops.")
+            emit(f"| {(b, s, h, d)} | {fmt} | " + " | ".join(f"{us[n]:.1f} us" + f" ({100 * us['copy'] / us[n]:.0f}%)"
+                                                           * on_gpu if n in us else "n/a" for n in names) + " |")
+    if on_gpu:  # host cost, where the GPU waits for the host: 200 calls in a row, one sync; 7 rounds, interleaved
+        x, freqs = torch.randn(1, 128, 2, 64, device=DEVICE, dtype=torch.bfloat16), rope_freqs(128, 64, device=DEVICE)
+        times = {lambda: x + 1: [], lambda: rope_fwd_qk(x, x, freqs, "bshd"): []}
+        for _, fn in itertools.product(range(7), times):
+            fn(), torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(200):
+                fn()
+            torch.cuda.synchronize()
+            times[fn].append((time.perf_counter() - start) / 200 * 1e6)
+        empty, ours = (sorted(t)[3] for t in times.values())
+        emit(f"\nHost cost of an eager call at (1, 128, 2, 64) bf16, bshd (200 calls in a row, one sync, median of 7 "
+             f"interleaved rounds): rope_fwd_qk {ours:.1f} us, an empty op (x + 1) {empty:.1f} us: {ours / empty:.1f} "
+             "empty ops.")
+    return "\n".join(table)
 
 
 def write_page(results_dir, table):
@@ -653,7 +589,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                         help="folder for the page (written only on a GPU)")
-    args, _ = parser.parse_args(), self_check()
-    table = benchmark()
+    args, _, table = parser.parse_args(), self_check(), benchmark()
     if DEVICE.type == "cuda":
         write_page(args.results, table)

@@ -21,7 +21,6 @@ benchmarks. This file imports only torch and triton: copy it alone into your pro
 # %%
 # Setup: with no GPU, the kernels run in Triton's interpreter (set before triton is imported).
 import argparse
-import functools
 import hashlib
 import inspect
 import itertools
@@ -92,53 +91,44 @@ def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens
 #     y_a = x_a cos(f_a) - x_b sin(f_a)
 #     y_b = x_b cos(f_b) + x_a sin(f_b)
 #
-# y is linear in x, so the gradient is the transposed map applied to dy = dL/dy:
+# y is linear in x, so the gradient is the transposed map applied to dy = dL/dy (in TE's notation dx = dy cos(f) +
+# R^T(dy sin(f)), R^T = -R: a quarter turn back), e.g. dt[0] = dy[0] cos(f[0]) + dy[d2/2] sin(f[d2/2]):
 #
-#     dx_a = dy_a cos(f_a) + dy_b sin(f_b)          e.g. dt[0]    = dy[0] cos(f[0]) + dy[d2/2] sin(f[d2/2])
-#     dx_b = dy_b cos(f_b) - dy_a sin(f_a)               dt[d2/2] = dy[d2/2] cos(f[d2/2]) - dy[0] sin(f[0])
+#     dx_a = dy_a cos(f_a) + dy_b sin(f_b) = dy_a cos(f_a) - dy_b (-sin(f_b))
+#     dx_b = dy_b cos(f_b) - dy_a sin(f_a) = dy_b cos(f_b) + dy_a (-sin(f_a))
 #
-# (In TE's notation, dx = dy cos(f) + R^T(dy sin(f)), R^T = -R: a quarter turn back.) In the forward's shape:
-#
-#     dx_a = dy_a cos(f_a) - dy_b (-sin(f_b))
-#     dx_b = dy_b cos(f_b) + dy_a (-sin(f_a))
-#
-# It is the forward applied to dy with  sin_a <- -sin(f_b)  and  sin_b <- -sin(f_a)  (cos unchanged). For a
-# true rotation table (f_a = f_b) that is the forward with the angle negated: the inverse rotation. For an
-# arbitrary table the two halves' sines also trade places, and a backward that only negated the angle would be
-# wrong; the tests use such tables to catch it. Pass-through channels (d2 < d) have y = x, so dx = dy: copied.
+# In the forward's shape (right): it is the forward applied to dy with  sin_a <- -sin(f_b)  and  sin_b <- -sin(f_a)
+# (cos unchanged). For a true rotation table (f_a = f_b) that is the forward with the angle negated: the inverse
+# rotation. For an arbitrary table the two halves' sines also trade places, and a backward that only negated the
+# angle would be wrong; the tests use such tables to catch it. Pass-through channels (d2 < d): y = x, dx = dy (copied).
 #
 # Memory traffic
 # --------------
-# The backward reads dy once and writes dx once: 2N elements for N elements of q and k, as the forward and a
-# copy do. Autograd over the eager formula runs the backward of every op of the forward (the two products, the
-# rotate-half's slices, negation and concatenation, the sum, the concatenation with the pass-through part),
-# each reading and writing full tensors.
+# The backward reads dy once and writes dx once: 2N elements for N elements of q and k, as the forward and a copy do.
+# Autograd over the eager formula runs the backward of every op of the forward (the two products, the rotate-half's
+# slices, negation and concatenation, the sum, the concatenation with the pass-through part), each reading and writing
+# full tensors.
 #
-# Fused QKV (Megatron's layout): one projection gives qkv [s, b, h, W], each of the h groups holding g q heads,
-# one k head and one v head of d channels, W = (g + 2) d. Unfused, q must be copied out of qkv before it can be
-# viewed as [s, b, h g, d], then rotated (N_q read and written twice), k rotated, v passed as a view; in the
-# backward, autograd rotates dq and dk into new tensors and concatenates dq, dk and dv into dqkv (N read and
-# written once more). The fused op reads qkv once and writes q, k and v once (2N, v's copy included), and in the
-# backward reads dq, dk, dv and writes dqkv once (2N): with 4 q heads a group, 2/3 of the forward's traffic and half
-# the backward's, and one launch instead of three each way.
+# Fused QKV (Megatron's layout): one projection gives qkv [s, b, h, W], each of the h groups holding g q heads, one k
+# head and one v head of d channels, W = (g + 2) d. Unfused, q is copied out of qkv to be viewed as [s, b, h g, d],
+# then rotated (N_q read and written twice), k rotated, v passed as a view; the backward rotates dq and dk into new
+# tensors and concatenates dq, dk and dv into dqkv (N read and written once more). Fused, the forward reads qkv and
+# writes q, k and v once (2N, v's copy included), the backward reads dq, dk, dv and writes dqkv once (2N): with 4 q
+# heads a group, 2/3 of the forward's traffic and half the backward's, and one launch instead of three each way.
 #
-# Context parallelism (TE's layout): each sequence is cut into 2 cp_size chunks of c tokens, and rank r holds
-# chunks r and 2 cp_size - 1 - r (which balances causal attention). Local token i < c sits at position r c + i,
-# local token i >= c at (2 cp_size - 2 - r) c + i. The kernel applies this map to each token's position; in thd
-# cu_seqlens holds the full sequences' offsets, and the rank's tokens of sequence j are cu_seqlens[j] / cp_size
-# onwards.
+# Context parallelism (TE's layout): each sequence is cut into 2 cp_size chunks of c tokens, and rank r holds chunks
+# r and 2 cp_size - 1 - r (which balances causal attention). Local token i < c sits at position r c + i, local token
+# i >= c at (2 cp_size - 2 - r) c + i. The kernel applies this map to each token's position; in thd cu_seqlens holds
+# the full sequences' offsets, and the rank's tokens of sequence j are cu_seqlens[j] / cp_size onwards.
 #
 # The kernel
 # ----------
-# 02's kernel, generalised:
-#   1. BACKWARD swaps and negates the sines, as derived above; nothing else changes.
-#   2. float64 inputs are computed in float64 (for gradcheck); other dtypes in float32.
-#   3. In thd the grid walks the packed tokens and each token finds its sequence by a binary search in
-#      cu_seqlens. 02's grid needs the longest sequence, known on the host only after a sync; this one needs no
-#      such number, so compiled code launches it exactly.
-#   4. Positions go through the context-parallel map (the identity for cp_size = 1).
-#   5. Fused QKV: q head j at group j // g, channel (j % g) d; k's own angle table; v copied by the same program.
-# Angle rows past the table are masked (read as 0), not read out of bounds (see the argument checks).
+# 02's kernel, generalised: (1) BACKWARD swaps and negates the sines (derived above). (2) float64 is computed in
+# float64 (for gradcheck), other dtypes in float32. (3) In thd the grid walks the packed tokens, each finding its
+# sequence by binary search in cu_seqlens: 02's grid needs the longest sequence, known on the host only after a sync;
+# this one needs none, so compiled code launches it exactly. (4) Positions go through the context-parallel map
+# (identity for cp_size = 1). (5) Fused QKV: q head j at group j // g, channel (j % g) d; k's own angle table; v
+# copied by the same program. Angle rows past the table are masked (read as 0), not read out of bounds.
 
 
 @triton.jit
@@ -310,12 +300,7 @@ def rope_kernel(
 # shapes only) keeps the graph whole, the kernel opaque. Either way: pure tensor work, no host syncs.
 
 
-def _next_pow2(n):  # plain Python: cheaper on the host than triton.next_power_of_2
-    return 1 << (int(n) - 1).bit_length()
-
-
-def _layout(t, tensor_format):
-    """(batch, seqlen, heads, head_dim) and the strides in that order; thd has batch stride 0."""
+def _layout(t, tensor_format):  # (batch, seqlen, heads, head_dim) and the strides in that order; thd: batch stride 0
     if tensor_format == "thd":
         return (None, *t.shape), (0, *t.stride())
     order = (1, 0, 2, 3) if tensor_format == "sbhd" else (0, 1, 2, 3)
@@ -332,31 +317,35 @@ def _launch(kernel, q, q_out, k, k_out, freqs, angles_shared, cu_seqlens, start_
     io = [(q, q_out), (k, k_out) if k is not None else (q, q_out), (v, v_out) if v is not None else (q, q_out)]
     pointers = [x for pair in io for x in pair]
     pointers[3::2] = pointers[2::2] if cols[1] else pointers[3::2]  # PACKED_OUT: k, v stand in for the unused outputs
-    pointers += [freqs, angles_shared, freqs if k_freqs is None else k_freqs,
-                 angles_shared if k_shared is None else k_shared, *[angles_shared if x is None else x for x in (
-                     cu_seqlens, start_positions)]]  # (the flag stands in for absent tensors: never read)
-
-    def plan():  # the grid, the integer arguments, the constexprs
-        (batch, seqlen, _, head_dim), _ = _layout(q_out if cols[0] else q, tensor_format)  # not the packed qkv
-        rot_dim, n_heads = freqs.shape[3], (q.shape[-2] * q_groups[0], (k if k is not None else q).shape[-2])
-        half, blocks = _next_pow2(rot_dim // 2), [max(1, _next_pow2(n) // 4) for n in n_heads]  # heads in ~4 steps
-        # one token a program; thd walks the packed tokens
-        n_programs, batch = (seqlen, cu_seqlens.shape[0] - 1) if tensor_format == "thd" else (seqlen * batch, batch)
-        return (n_programs,), (
-            batch, seqlen, seqlen, *n_heads, head_dim, rot_dim, freqs.shape[0], cp_size, cp_rank, *cols,
-            *[s for pair in io for x in pair for s in _layout(x, tensor_format)[1]], freqs.stride(0), freqs.stride(3),
-            pointers[8].stride(0), pointers[8].stride(3)), dict(
-            BLOCK_S=1, BLOCK_H=blocks[0], BLOCK_HK=blocks[1], N_HEAD_BLOCKS=max(-(-n // b) for n, b in zip(n_heads, blocks)),
-            HALF=half, PASS=_next_pow2(max(head_dim - rot_dim, 1)), DIM=_next_pow2(head_dim), INTERLEAVED=interleaved,
-            IS_THD=tensor_format == "thd", HAS_START_POSITIONS=start_positions is not None, HAS_K=k is not None,
-            HAS_V=v is not None, K_FREQS=k_shared is not None, Q_GROUP_IN=q_groups[0], Q_GROUP_OUT=q_groups[1],
-            PACKED_OUT=cols[1] > 0, COPY_PASS=rot_dim < head_dim, BATCH_FASTEST=tensor_format == "sbhd",
-            BACKWARD=backward, IS_FP64=q.dtype == torch.float64,  # warps: results/02_rope_fwd_sweep.log, 03_..._sweep.log
-            num_warps=4 if blocks[0] * half > 128 else 1 if v is not None and (blocks[0] + 2 * blocks[1]) * half < 256
-            else 2)
-    _launch_cached(kernel, kernel is rope_kernel and _signature(  # eager (outputs are new: the inputs decide), or traced
+    pointers += [freqs, angles_shared, freqs if k_freqs is None else k_freqs, *[angles_shared if x is None else x for x
+                 in (k_shared, cu_seqlens, start_positions)]]  # (the flag stands in for absent tensors: never read)
+    key = kernel is rope_kernel and _signature(  # eager (outputs are new: the inputs decide); traced: no key
         q, k, v, freqs, k_freqs, cu_seqlens, start_positions, tensor_format, interleaved, backward, cp_size, cp_rank,
-        q_groups, cols), pointers, plan)
+        q_groups, cols)
+    launch = key and _launches.get((kernel, key))  # after the first call with a key, straight to the compiled kernel
+    if launch:
+        return launch[0](*pointers, *launch[1])
+    (batch, seqlen, _, head_dim), _ = _layout(q_out if cols[0] else q, tensor_format)  # not the packed qkv
+    rot_dim, n_heads = freqs.shape[3], (q.shape[-2] * q_groups[0], (k if k is not None else q).shape[-2])
+    pow2 = lambda n: 1 << (int(n) - 1).bit_length()  # noqa: E731 (triton.next_power_of_2 is slower)
+    half, blocks = pow2(rot_dim // 2), [max(1, pow2(n) // 4) for n in n_heads]  # heads in ~4 steps
+    n_programs, batch = (seqlen, cu_seqlens.shape[0] - 1) if tensor_format == "thd" else (seqlen * batch, batch)
+    grid, scalars, constexprs = (n_programs,), (  # one token a program; thd walks the packed tokens
+        batch, seqlen, seqlen, *n_heads, head_dim, rot_dim, freqs.shape[0], cp_size, cp_rank, *cols,
+        *[s for pair in io for x in pair for s in _layout(x, tensor_format)[1]], freqs.stride(0), freqs.stride(3),
+        pointers[8].stride(0), pointers[8].stride(3)), dict(
+        BLOCK_S=1, BLOCK_H=blocks[0], BLOCK_HK=blocks[1], N_HEAD_BLOCKS=max(-(-n // b) for n, b in zip(n_heads, blocks)),
+        HALF=half, PASS=pow2(max(head_dim - rot_dim, 1)), DIM=pow2(head_dim), INTERLEAVED=interleaved,
+        IS_THD=tensor_format == "thd", HAS_START_POSITIONS=start_positions is not None, HAS_K=k is not None,
+        HAS_V=v is not None, K_FREQS=k_shared is not None, Q_GROUP_IN=q_groups[0], Q_GROUP_OUT=q_groups[1],
+        PACKED_OUT=cols[1] > 0, COPY_PASS=rot_dim < head_dim, BATCH_FASTEST=tensor_format == "sbhd",
+        BACKWARD=backward, IS_FP64=q.dtype == torch.float64,  # warps: results/02_rope_fwd_sweep.log, 03_..._sweep.log
+        num_warps=4 if blocks[0] * half > 128 else 1 if v is not None and (blocks[0] + 2 * blocks[1]) * half < 256
+        else 2)
+    compiled = kernel[grid](*pointers, *scalars, **constexprs)  # through Triton (always, in the interpreter)
+    if key and isinstance(compiled, triton.compiler.CompiledKernel):  # it takes all arguments in order, constexprs too
+        _once(_launches, (kernel, key), lambda: (compiled[(*grid, 1, 1)[:3]], (*scalars, *[
+            constexprs[name] for name in kernel.arg_names if name in constexprs])))
 
 
 def _rope_impl(x: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], freqs: torch.Tensor,
@@ -383,8 +372,7 @@ def _rope_impl(x: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Ten
     return parts if split else [qkv]
 
 
-def _register(name, impl):
-    """impl as the op rope_tutorial::<name> (fresh if this file was loaded before): a triton_op, or a custom_op."""
+def _register(name, impl):  # impl as the op rope_tutorial::<name> (fresh if this file was loaded before)
     name = next(f"rope_tutorial::{name}{n or ''}" for n in itertools.count()
                 if not hasattr(torch.ops.rope_tutorial, f"{name}{n or ''}"))
     kernel = torch.library.wrap_triton(rope_kernel) if _USE_TRITON_OP else rope_kernel
@@ -393,10 +381,8 @@ def _register(name, impl):
         return impl(*args, kernel=kernel)
     signature = inspect.signature(impl)  # the op's schema: impl's annotated arguments, without `kernel`
     body.__signature__ = signature.replace(parameters=list(signature.parameters.values())[:-1])
-    if _USE_TRITON_OP:
-        op = torch.library.triton_op(name, body, mutates_args=())
-    else:
-        op = torch.library.custom_op(name, body, mutates_args=())
+    op = (torch.library.triton_op if _USE_TRITON_OP else torch.library.custom_op)(name, body, mutates_args=())
+    if not _USE_TRITON_OP:
         op.register_fake(lambda *args: impl(*args, kernel=None))  # outputs allocated, nothing launched
 
     def call(*args):  # the op where torch.compile traces; in eager mode a direct launch, where the dispatcher, the
@@ -413,17 +399,15 @@ _rope = _register("rope", _rope_impl)
 # Argument checks, and the host cost of an eager call
 # ----------------------------------------------------
 # The checks run outside the op: in eager mode, and traced by torch.compile. Values on the GPU (cu_seqlens,
-# start_positions) cost a host sync to read, so their verdict is kept for the last tensors seen, like the "halves
-# equal" flag, and compiled code skips them (the kernel masks angle rows past the table). Everything else, checks
-# and launch parameters, depends only on the call's signature, so (as in 02) it is computed once per signature and
-# later launches go straight to the compiled kernel; a call that needs no gradient skips autograd. The benchmark's
-# host-cost table shows what a call still costs, next to autograd's own cost (results/03_rope_bwd_H100.md).
+# start_positions) cost a host sync to read: their verdict is kept for the last tensors seen (as the "halves equal"
+# flag is), and compiled code skips them (the kernel masks angle rows past the table). All else (checks, launch
+# parameters) depends only on the call's signature: computed once per signature, later launches go straight to the
+# compiled kernel (as in 02); a call that needs no gradient skips autograd. What it still costs: the host-cost table.
 
 _checked, _launches, _last_results = {}, {}, {}
 
 
-def _signature(*args):
-    """Each tensor's shape, strides, dtype, device and alignment; any other argument with its type."""
+def _signature(*args):  # each tensor's shape, strides, dtype, device and 16-byte alignment; other arguments as is
     return tuple([(x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16) if isinstance(x, torch.Tensor)
                   else (type(x), x) for x in args])
 
@@ -440,19 +424,6 @@ def _once(cache, key, compute):
     return value
 
 
-def _launch_cached(kernel, key, tensors, plan):
-    """kernel[grid](*tensors, *scalars, **constexprs) with (grid, scalars, constexprs) = plan(): the first call with a
-    key goes through Triton, later ones straight to the compiled kernel (key False, or the interpreter: always Triton)."""
-    launch = key and _launches.get((kernel, key))
-    if launch:
-        return launch[0](*tensors, *launch[1])
-    grid, scalars, constexprs = plan()
-    compiled = kernel[grid](*tensors, *scalars, **constexprs)
-    if key and isinstance(compiled, triton.compiler.CompiledKernel):  # it takes all arguments in order, constexprs too
-        _once(_launches, (kernel, key), lambda: (compiled[(*grid, 1, 1)[:3]], (*scalars, *[
-            constexprs[name] for name in kernel.arg_names if name in constexprs])))
-
-
 def _remember(what, tensors, extra_key, compute):  # compute(), or its result for the same tensors and versions
     key = tuple((id(x), x._version) for x in tensors) + extra_key
     last = _last_results.get(what)
@@ -461,8 +432,7 @@ def _remember(what, tensors, extra_key, compute):  # compute(), or its result fo
     return _last_results[what][2]
 
 
-def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions, cp_size):
-    """The checks that read cu_seqlens and start_positions (a host sync). Lengths are the full sequences'."""
+def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions, cp_size):  # a host sync
     if cu_seqlens is not None:
         cu = cu_seqlens.tolist()
         if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
@@ -484,8 +454,7 @@ def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions, c
     return True
 
 
-def _angles_shared(freqs, interleaved, what="angles shared"):
-    """int32 [1] on the device: 1 if f_b == f_a everywhere (a true rotation table), no sync."""
+def _angles_shared(freqs, interleaved, what="angles shared"):  # int32 [1]: 1 if f_b == f_a everywhere; no sync
     def compute():
         f = freqs[:, 0, 0]
         f_a, f_b = (f[:, 0::2], f[:, 1::2]) if interleaved else f.chunk(2, dim=-1)
@@ -500,19 +469,19 @@ def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions, cp
         raise ValueError(f"tensor_format must be one of {TENSOR_FORMATS}, got {tensor_format!r}")
     if not (isinstance(cp_size, int) and isinstance(cp_rank, int) and 0 <= cp_rank < cp_size):
         raise ValueError(f"cp_size and cp_rank: ints, 0 <= cp_rank < cp_size; got cp_size={cp_size!r}, cp_rank={cp_rank!r}")
-    rank = 3 if tensor_format == "thd" else 4
+    rank, t = 3 if tensor_format == "thd" else 4, tensors[0]
     for x, name in zip(tensors, names):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-            raise TypeError(f"{name} must be float32, float16, bfloat16 or float64, got {x.dtype}")
+        if getattr(x, "dtype", None) not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            raise TypeError(f"{name} must be float32, float16, bfloat16 or float64 (a torch.Tensor), got "
+                            f"{getattr(x, 'dtype', type(x).__name__)}")
         if x.dim() != rank:
             raise ValueError(f"{name} must have {rank} dims for tensor_format='{tensor_format}', got shape {tuple(x.shape)}")
-    t = tensors[0]
-    if not isinstance(freqs, torch.Tensor):
-        raise TypeError(f"freqs must be a torch.Tensor, got {type(freqs).__name__}")
-    if freqs.dtype != torch.float32:
-        raise TypeError(f"freqs must be float32 angles (cos/sin are taken inside the kernel), got {freqs.dtype}")
+        if x.dtype != t.dtype or x.shape[:-2] != t.shape[:-2] or x.shape[-1] != t.shape[-1]:
+            raise ValueError(f"{name} must match {names[0]} in dtype and in every dim but heads: got "
+                             f"{tuple(x.shape)} {x.dtype}, {names[0]} is {tuple(t.shape)} {t.dtype}")
+    if getattr(freqs, "dtype", None) != torch.float32:
+        raise TypeError(f"freqs must be float32 angles in a torch.Tensor (cos/sin are taken inside the kernel), got "
+                        f"{getattr(freqs, 'dtype', type(freqs).__name__)}")
     if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
         raise ValueError(f"freqs must have shape [s2, 1, 1, d2], got {tuple(freqs.shape)}")
     (batch, seqlen, _, head_dim), _ = _layout(t, tensor_format)
@@ -521,11 +490,6 @@ def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions, cp
         raise ValueError(f"freqs' last dim d2 = {rot_dim} must be even and between 2 and the head dim {head_dim}")
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head dim {head_dim} is over the supported {MAX_HEAD_DIM}")
-    for x, name in zip(tensors[1:], names[1:]):
-        (xb, xs, _, xd), _ = _layout(x, tensor_format)
-        if x.dtype != t.dtype or (xb, xs, xd) != (batch, seqlen, head_dim):
-            raise ValueError(f"{name} must match {names[0]} in dtype and in every dim but heads: got "
-                             f"{tuple(x.shape)} {x.dtype}, {names[0]} is {tuple(t.shape)} {t.dtype}")
     for x, n in [*zip(tensors, names), (freqs, "freqs"), (cu_seqlens, "cu_seqlens"), (start_positions, "start_positions")]:
         if isinstance(x, torch.Tensor) and x.device != t.device:
             raise ValueError(f"{n} is on {x.device} but {names[0]} is on {t.device}")
@@ -551,12 +515,6 @@ def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions, cp
     return seqlen, t.shape[0], max_positions
 
 
-def _check_values(cu_seqlens, start_positions, sizes, cp_size):
-    if (cu_seqlens is not None or start_positions is not None) and not torch.compiler.is_compiling():
-        args = (cu_seqlens, start_positions, *sizes, cp_size)
-        _remember("values checked", [x for x in args[:2] if x is not None], args[2:], lambda: _read_values(*args))
-
-
 # %%
 # The autograd Function and the public API
 # ----------------------------------------
@@ -571,8 +529,7 @@ class _ApplyRoPE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, k, v, *args):
         ctx.save_for_backward(*args[:6])
-        fmt, interleaved, backward, *rest = args[6]
-        ctx.options = (fmt, interleaved, not backward, *rest)
+        ctx.options = (*args[6][:2], not args[6][2], *args[6][3:])  # the other direction: backward flipped
         return tuple(_rope(x, k, v, *args[:6], *args[6]))
 
     @staticmethod
@@ -582,17 +539,17 @@ class _ApplyRoPE(torch.autograd.Function):
         return (*dx, *[None] * (len(ctx.needs_input_grad) - len(dx)))  # (grad enabled: create_graph=True)
 
 
-def _apply(tensors, names, freqs, tensor_format, start_positions, interleaved, cu_seqlens, backward=False,
-           cp_size=1, cp_rank=0, k_freqs=None, split=(0,), check=None):
-    """Checks (once per signature; values once per tensor), then RoPE either way (backward: the transposed rotation),
-    through the autograd Function where a gradient is wanted. k_freqs, split and check: fused QKV's."""
+def _apply(tensors, names, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size=1, cp_rank=0,
+           k_freqs=None, split=(0,), check=None):  # the last three: fused QKV's
+    """Checks (once per signature; values once per tensor), then RoPE, through autograd where a gradient is wanted."""
     tracing = torch.compiler.is_compiling()
-    if check is None:
-        def check():
-            return _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions, cp_size, cp_rank)
+    if check is None:  # (not `check or ...`: torch 2.11's Dynamo cannot take a function's truth value)
+        check = lambda: _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions, cp_size, cp_rank)  # noqa
     sizes = check() if tracing else _once(_checked, _signature(
         *tensors, freqs, k_freqs, cu_seqlens, start_positions, tensor_format, cp_size, cp_rank, *split), check)
-    _check_values(cu_seqlens, start_positions, sizes, cp_size)
+    if not tracing and (cu_seqlens is not None or start_positions is not None):  # the values: a host sync, remembered
+        values = (cu_seqlens, start_positions, *sizes, cp_size)
+        _remember("values checked", [x for x in values[:2] if x is not None], values[2:], lambda: _read_values(*values))
     for f, name in ((freqs, "freqs" if k_freqs is None else "q_freqs"), (k_freqs, "k_freqs")):  # no silent loss of a
         if f is not None and f.requires_grad and torch.is_grad_enabled():  # gradient
             raise ValueError(f"{name} requires grad, but no gradient flows to the angle table here (as in "
@@ -600,7 +557,7 @@ def _apply(tensors, names, freqs, tensor_format, start_positions, interleaved, c
     args = (*tensors, *[None] * (3 - len(tensors)), freqs, k_freqs, _angles_shared(freqs, interleaved),
             k_freqs if k_freqs is None else _angles_shared(k_freqs, interleaved, "k angles shared"), cu_seqlens,
             start_positions)
-    options = (tensor_format, interleaved, backward, cp_size, cp_rank, split[0])
+    options = (tensor_format, interleaved, False, cp_size, cp_rank, split[0])
     if tracing or torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
         return _ApplyRoPE.apply(*args, options)
     return tuple(_rope(*args, *options))  # no graph to record
@@ -622,15 +579,13 @@ def apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", start_positions=None, i
         start_positions shift the whole sequences' positions (TE refuses start_positions with cp_size > 1).
     Returns a new contiguous tensor shaped like t. Works under torch.compile(fullgraph=True) and autocast.
     """
-    return _apply([t], ("t",), freqs, tensor_format, start_positions, interleaved, cu_seqlens, False, cp_size,
-                  cp_rank)[0]
+    return _apply([t], ("t",), freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)[0]
 
 
 def apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="sbhd", start_positions=None, interleaved=False,
                             cu_seqlens=None, cp_size=1, cp_rank=0):
     """``apply_rotary_pos_emb`` on q and k in one launch each way; k may have fewer heads (GQA). Returns (q, k)."""
-    return _apply([q, k], ("q", "k"), freqs, tensor_format, start_positions, interleaved, cu_seqlens, False, cp_size,
-                  cp_rank)
+    return _apply([q, k], ("q", "k"), freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
 
 
 def apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, qkv_split_arg_list, tensor_format="sbhd",
@@ -640,13 +595,12 @@ def apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, qkv_split_arg_list, te
     qkv: [s, b, h, q_width + 2 d] (sbhd) | [b, s, h, q_width + 2 d] (bshd), any strides; each of the h groups holds
         q_width / d q heads, one k head and one v head (Megatron's GQA layout). qkv_split_arg_list: [q_width, d, d].
     q_freqs, k_freqs: float32 angle tables [s2, 1, 1, d2] of one shape. cu_seqlens: None (no thd, as in TE).
-    Returns contiguous q [s, b, h q_width / d, d], k and v [s, b, h, d] (bshd: [b, s, ...]); one launch each way.
-    """
+    Returns contiguous q [s, b, h q_width / d, d], k and v [s, b, h, d] (bshd: [b, s, ...]); one launch each way."""
     def check():
         if tensor_format not in ("sbhd", "bshd") or cu_seqlens is not None:
             raise ValueError(f"fused QKV takes tensor_format 'sbhd' or 'bshd' and cu_seqlens=None, got {tensor_format!r}")
-        if len(split) != 3 or not all(type(w) is int and w > 0 for w in split) or split[2] != split[1] or split[0] % split[
-                2]:
+        if len(split) != 3 or not all(type(w) is int and w > 0 for w in split) or split[2] != split[1] or (
+                split[0] % split[1]):
             raise ValueError(f"qkv_split_arg_list must be [q_width, d, d], q_width a multiple of d, got "
                              f"{qkv_split_arg_list!r}")
         if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[-1] != sum(split):
@@ -657,22 +611,15 @@ def apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, qkv_split_arg_list, te
         return _check([qkv[..., split[0]:split[0] + split[1]]], ("qkv",), q_freqs, tensor_format, None, start_positions,
                       cp_size, cp_rank)
     split = list(qkv_split_arg_list) if isinstance(qkv_split_arg_list, (list, tuple)) else []
-    return _apply([qkv], ("qkv",), q_freqs, tensor_format, start_positions, interleaved, cu_seqlens, False, cp_size,
-                  cp_rank, k_freqs, split, check)
+    return _apply([qkv], ("qkv",), q_freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank,
+                  k_freqs, split, check)
 
 
 # %%
 # Unit test
 # ---------
-# Gradients of every layout, both pairings, partial rotary, arbitrary angles (halves differ), strided views, GQA
-# and fused QKV, against autograd through the reference. tests/test_03_rope_bwd.py covers the whole matrix,
-# context parallelism, gradcheck in float64, torch.compile and a model-level check.
-
-
-def _assert_matches(outs, refs, inputs):  # values, and gradients with respect to inputs
-    grads = [torch.randn_like(y) for y in outs]
-    for got, want in zip(outs + torch.autograd.grad(outs, inputs, grads), refs + torch.autograd.grad(refs, inputs, grads)):
-        torch.testing.assert_close(got, want)
+# Values and gradients against autograd through the reference (the printout lists the cases); tests/test_03_rope_bwd.py
+# covers the whole matrix, context parallelism, gradcheck in float64, torch.compile and a model-level check.
 
 
 def self_check():
@@ -681,20 +628,23 @@ def self_check():
     cu = torch.tensor([0] + [1 + i * s for i in range(b - 1)] + [b * s], dtype=torch.int32, device=DEVICE)  # one of length 1
     for dtype, fmt, interleaved in itertools.product((torch.float32, torch.bfloat16), TENSOR_FORMATS, (False, True)):
         x = torch.randn(b, s, 3, h, d, device=DEVICE, dtype=dtype)
-        q, k = (y.transpose(0, 1) if fmt == "sbhd" else y.flatten(0, 1) if fmt == "thd" else y
-                for y in (x[:, :, 0], x[:, :, 1, :2]))  # strided views; k has fewer heads
-        q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+        q, k = ((y.transpose(0, 1) if fmt == "sbhd" else y.flatten(0, 1) if fmt == "thd" else y).requires_grad_() for y
+                in (x[:, :, 0], x[:, :, 1, :2]))  # strided views; k has fewer heads
         kw = dict(tensor_format=fmt, start_positions=torch.randint(0, 5, (b,), device=DEVICE), interleaved=interleaved,
                   cu_seqlens=cu if fmt == "thd" else None)
         freqs = torch.randn(2 * b * s, 1, 1, 48, device=DEVICE)  # partial rotary, halves differ
-        refs = tuple(rope_reference(y, freqs, **kw) for y in (q, k))
-        _assert_matches(apply_rotary_pos_emb_qk(q, k, freqs, **kw), refs, (q, k))
+        cases = [(apply_rotary_pos_emb_qk(q, k, freqs, **kw), tuple(rope_reference(y, freqs, **kw) for y in (q, k)),
+                  (q, k))]
         if fmt != "thd":  # fused QKV, 2 q heads a group
             qkv = torch.randn(*q.shape[:2], 2, 4 * d, device=DEVICE, dtype=dtype, requires_grad=True)
             q_in, k_in, v_in = qkv.split([2 * d, d, d], dim=-1)
-            refs = (rope_reference(q_in.reshape(*q.shape[:2], 4, d), freqs, **kw), rope_reference(k_in, freqs / 3, **kw),
-                    v_in)
-            _assert_matches(apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs / 3, [2 * d, d, d], **kw), refs, (qkv,))
+            cases.append((apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs / 3, [2 * d, d, d], **kw), (rope_reference(
+                q_in.reshape(*q.shape[:2], 4, d), freqs, **kw), rope_reference(k_in, freqs / 3, **kw), v_in), (qkv,)))
+        for outs, refs, inputs in cases:  # values, and gradients with respect to inputs
+            grads = [torch.randn_like(y) for y in outs]
+            for got, want in zip(outs + torch.autograd.grad(outs, inputs, grads),
+                                 refs + torch.autograd.grad(refs, inputs, grads)):
+                torch.testing.assert_close(got, want)
     print(f"self-check passed: forward and gradients, fp32/bf16 x sbhd/bshd/thd x half/interleaved, d={d}, d2=48, "
           f"GQA, strided views, start_positions, fused QKV (device: {DEVICE.type})")
 
@@ -702,119 +652,94 @@ def self_check():
 # %%
 # Benchmark
 # ---------
-# Ours three ways (GPU time, an eager call, compiled) and TE's unfused formula, eager and compiled, against a copy of
-# the bytes that must move; fused QKV against the three calls it replaces. Then the host cost of an eager call, on
-# tensors so small that the GPU waits for the host, against an empty op, autograd alone and SDPA.
-BENCH_SHAPES = [(4, 4096, 32, 128), (32, 512, 12, 64), (1, 32768, 8, 128)]  # (b, s, h, d)
-TIMED = ("bf16, bshd. Fused QKV: qkv [b, s, h / 4, 6 d], 4 q heads a group; \"three calls\": split, q copied out as "
-         "[b, s, h, d], q and k rotated by `apply_rotary_pos_emb`, autograd concatenating the gradients. eager, "
-         "torch.compile: TE's unfused formula; compiled: per shape, fullgraph. A cell: the median GPU time of "
-         "`do_bench_cudagraph`, or (\"eager call\") of `do_bench` over ten calls in a row, per call, host cost included; "
-         "(x%): the speed as a fraction of a copy of the bytes that must move (forward + backward: twice), same run. "
-         "Host cost: the median over 7 rounds of 200 calls in a row (wall time, one sync), at (1, 128, 2, 64).")
+TIMED = ("bf16, bshd. Fused QKV: qkv [b, s, h / 4, 6 d], 4 q heads a group; \"three calls\": split, q copied out, q and k "
+         "rotated by `apply_rotary_pos_emb`. eager, torch.compile: TE's unfused formula; compiled: per shape, fullgraph. A "
+         "cell: median GPU time (`do_bench_cudagraph`) or (\"eager call\") of ten calls in a row (`do_bench`), per call, "
+         "host cost included; (x%): a same-run copy of the bytes that must move (x2 forward + backward) over the cell's "
+         "time. Host cost: median of 7 interleaved rounds of 200 calls in a row (wall time, one sync) at (1, 128, 2, 64).")
 
 
-def _us(fn, eager_call=False):  # as 02's: ten eager calls timed as one, so that L2 clearing cannot hide host cost
-    if DEVICE.type != "cuda":
-        start = time.perf_counter()
+def _us(fn, eager_call=False, calls=0):  # per call, as TIMED says (ten eager calls in a row: do_bench clears L2
+    if DEVICE.type == "cuda" and not calls:  # between calls, which would hide their host cost)
+        n, bench = (10, triton.testing.do_bench) if eager_call else (1, triton.testing.do_bench_cudagraph)
+        return bench(lambda: [fn() for _ in range(n)], return_mode="median") * 1e3 / n
+    sync = torch.cuda.synchronize if calls else lambda: None  # calls in a row after a warm one; no GPU: one, cold
+    _ = calls and (fn(), sync())
+    start = time.perf_counter()
+    for _ in range(calls or 1):
         fn()
-        return (time.perf_counter() - start) * 1e6
-    if eager_call:
-        return triton.testing.do_bench(lambda: [fn() for _ in range(10)], return_mode="median") * 100
-    return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
+    sync()
+    return (time.perf_counter() - start) / (calls or 1) * 1e6
 
 
-def _tables(b, s, h, d, peers):
-    """{table: {column: fn}} at one shape, each table's copy first."""
-    freqs, bf16, split = rope_freqs(s, d, device=DEVICE), dict(device=DEVICE, dtype=torch.bfloat16), [4 * d, d, d]
-    q, k, qkv = (torch.randn(b, s, n, w, **bf16, requires_grad=True) for n, w in ((h, d), (h, d), (h // 4, 6 * d)))
-    dq, dk, dkv = (torch.randn(b, s, n, d, **bf16) for n in (h, h, h // 4))  # dkv: dk and dv of fused QKV
-    grad = lambda f, x, dx: lambda: torch.autograd.grad(f(*x), x, dx)  # noqa: E731
-    fused = lambda x: apply_fused_qkv_rotary_pos_emb(x, freqs, freqs, split, "bshd")  # noqa: E731
-
-    def three_calls(x):  # split, q copied out as [b, s, h, d], two rotations; autograd concatenates the gradients
-        q_in, k_in, v_in = x.split(split, dim=-1)
-        return (*(apply_rotary_pos_emb(y, freqs, "bshd") for y in (q_in.reshape(b, s, h, d), k_in)), v_in)
-
-    copy = lambda n, times=1: functools.partial(  # noqa: E731: a device-to-device copy of n elements, times in a row
-        lambda src, dst: [dst.copy_(src) for _ in range(times)], *torch.randn(2, n, **bf16))
-    qkv_fns = {"fused": fused, "fused, eager call": fused, "three calls": three_calls}
-    qkv_fns.update({"fused, compiled": torch.compile(fused, fullgraph=True, dynamic=False)} if DEVICE.type == "cuda" else {})
-    backward = functools.partial(_rope, dq, dk, None, freqs, None, _angles_shared(freqs, False), None, None, None, "bshd",
-                                 False, True, 1, 0, 0)  # the backward kernel alone
-    return {"q and k, backward": {"copy": copy(2 * q.numel()), "ours": backward},
-            "q and k, forward + backward": {"copy x2": copy(2 * q.numel(), 2), **{
-                n: grad(lambda q, k, f=f: f(q, k, freqs, "bshd"), (q, k), (dq, dk)) for n, f in peers.items()}},
-            "fused QKV, forward": {"copy": copy(qkv.numel()), **{n: functools.partial(f, qkv) for n, f in qkv_fns.items()}},
-            "fused QKV, forward + backward": {"copy x2": copy(qkv.numel(), 2), **{
-                n: grad(f, (qkv,), (dq, dkv, dkv)) for n, f in qkv_fns.items()}}}
-
-
-class _Identity(torch.autograd.Function):  # autograd's own cost: a Function that launches nothing
-    forward = staticmethod(lambda ctx, *xs: tuple(x.new_empty(x.shape) for x in xs))
-    backward = staticmethod(lambda ctx, *grads: grads)
-
-
-def host_cost(rounds=7, calls=200):  # wall time per eager call, calls in a row, one sync; rounds interleaved (noise)
-    x, freqs = torch.randn(1, 128, 2, 64, device=DEVICE, dtype=torch.bfloat16), rope_freqs(128, 64, device=DEVICE)
-    (q, k, v), qkv = [x.clone().requires_grad_() for _ in "qkv"], x.repeat(1, 1, 1, 3).requires_grad_()
-    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(*(y.transpose(1, 2) for y in (q, k, v)))  # noqa
-    grads = lambda f: lambda: torch.autograd.backward(f(), [x] * 3 if f is fused else [x, x])  # noqa: E731
-    ours, fused = (lambda: apply_rotary_pos_emb_qk(q, k, freqs, "bshd")), (  # noqa: E731
-        lambda: apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [64, 64, 64], "bshd"))
-    fns = {"empty op (x + 1)": lambda: x + 1, "autograd alone: identity Function on q, k, forward + backward":
-           grads(lambda: _Identity.apply(q, k)), "SDPA, forward": sdpa, "SDPA, forward + backward":
-           lambda: sdpa().backward(x.transpose(1, 2)), "ours, q and k, forward, no grad":
-           lambda: apply_rotary_pos_emb_qk(x, x, freqs, "bshd"), "ours, q and k, forward": ours,
-           "ours, q and k, forward + backward": grads(ours), "ours, fused QKV, forward + backward": grads(fused)}
-    times = {name: [] for name in fns}
-    for _, (name, fn) in itertools.product(range(rounds), fns.items()):
-        fn(), torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        times[name].append((time.perf_counter() - start) / calls * 1e6)
-    us = {name: sorted(t)[rounds // 2] for name, t in times.items()}
-    return ["| eager call, (1, 128, 2, 64) bf16 | host us per call | empty ops |", "|---|---|---|"] + [
-        f"| {name} | {t:.1f} | {t / us['empty op (x + 1)']:.1f} |" for name, t in us.items()]
-
-
-def benchmark():  # {table: Markdown lines}, printed as measured
-    eager = lambda q, k, f, fmt: [rope_reference(x, f, fmt, compute_dtype=None) for x in (q, k)]  # noqa: E731 (TE's)
-    pages, peers = {}, {"ours": apply_rotary_pos_emb_qk, "ours, eager call": apply_rotary_pos_emb_qk, "eager": eager}
-    if DEVICE.type != "cuda":
+def benchmark(results_dir):  # prints each row as measured; on a GPU, writes results/<script>_<GPU kind>.md
+    class Identity(torch.autograd.Function):  # autograd's own cost (host-cost table): a Function that launches nothing
+        forward = staticmethod(lambda ctx, *xs: tuple(x.new_empty(x.shape) for x in xs))
+        backward = staticmethod(lambda ctx, *grads: grads)
+    on_gpu, pages, bf16 = DEVICE.type == "cuda", {}, dict(device=DEVICE, dtype=torch.bfloat16)
+    ours = lambda q, k, f: apply_rotary_pos_emb_qk(q, k, f, "bshd")  # noqa: E731
+    eager = lambda q, k, f: [rope_reference(x, f, "bshd", compute_dtype=None) for x in (q, k)]  # noqa: E731 (TE's)
+    fused = lambda x, f: apply_fused_qkv_rotary_pos_emb(x, f, f, [4 * f.shape[-1], *f.shape[-1:] * 2], "bshd")  # noqa
+    three_calls = lambda x, f: (lambda q, k, v: (*(apply_rotary_pos_emb(y, f, "bshd") for y in (  # noqa: E731
+        q.reshape(*k.shape[:2], -1, k.shape[-1]), k)), v))(*x.split([4 * f.shape[-1], *f.shape[-1:] * 2], dim=-1))
+    qk = {"ours": ours, "ours, eager call": ours, "eager": eager, **({"ours, compiled": torch.compile(
+        ours, fullgraph=True, dynamic=False), "torch.compile": torch.compile(eager, dynamic=False)} if on_gpu else {})}
+    qkv = {"fused": fused, "fused, eager call": fused, "three calls": three_calls,
+           **({"fused, compiled": torch.compile(fused, fullgraph=True, dynamic=False)} if on_gpu else {})}
+    backward = lambda dq, dk, f: _rope(dq, dk, None, f, None, _angles_shared(f, False), None, None, None,  # noqa
+                                       "bshd", False, True, 1, 0, 0)  # the backward kernel alone
+    torch._dynamo.config.cache_size_limit = 64  # a graph per shape (dynamic=False)
+    if not on_gpu:
         print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
               "show that the benchmark runs; they say nothing about speed.")
-    else:
-        torch._dynamo.config.cache_size_limit = 64  # a graph per shape (dynamic=False), as 02's
-        peers.update({"ours, compiled": torch.compile(apply_rotary_pos_emb_qk, fullgraph=True, dynamic=False),
-                      "torch.compile": torch.compile(eager, dynamic=False)})
-    for shape, on_gpu in [(s, True) for s in BENCH_SHAPES] if DEVICE.type == "cuda" else [((2, 8, 4, 64), False)]:
-        for table, fns in _tables(*shape, peers).items():
+    for b, s, h, d in [(4, 4096, 32, 128), (32, 512, 12, 64), (1, 32768, 8, 128)] if on_gpu else [(2, 8, 4, 64)]:
+        freqs, (src, dst) = rope_freqs(s, d, device=DEVICE), torch.randn(2, 2 * b * s * h * d, **bf16)  # for the copy
+        q, k, x = (torch.randn(b, s, n, w, **bf16, requires_grad=True) for n, w in ((h, d), (h, d), (h // 4, 6 * d)))
+        dq, dk, dkv = (torch.randn(b, s, n, d, **bf16) for n in (h, h, h // 4))  # dkv: dk and dv of fused QKV
+        for table, xs, dxs, fns in [("q and k, backward", (dq, dk), None, {"ours": backward}),
+                                    ("q and k, forward + backward", (q, k), (dq, dk), qk),
+                                    ("fused QKV, forward", (x,), None, qkv),
+                                    ("fused QKV, forward + backward", (x,), (dq, dkv, dkv), qkv)]:
+            fns = {"copy x2" if dxs else "copy": lambda n=sum(y.numel() for y in xs): [dst[:n].copy_(src[:n]) for _ in
+                   range(1 + bool(dxs))], **{n: (lambda f=f: torch.autograd.grad(f(*xs, freqs), xs, dxs)) if dxs else (
+                       lambda f=f: f(*xs, freqs)) for n, f in fns.items()}}  # the copy: the bytes that must move, each way
             us = {name: _us(fn, "eager call" in name) for name, fn in fns.items()}
             lines = pages.setdefault(table, [f"| shape (b, s, h, d) | {' | '.join(us)} |", "|---" * (len(us) + 1) + "|"])
-            cell = lambda t, c=next(iter(us.values())): f"{t:.1f} us" + f" ({100 * c / t:.0f}%)" * on_gpu  # noqa: E731
-            lines.append(f"| {shape} | " + " | ".join(map(cell, us.values())) + " |")  # (x%): the copy's time over t
+            lines.append(f"| {(b, s, h, d)} | " + " | ".join(  # (x%): the copy's time (first column) over t
+                f"{t:.1f} us" + f" ({100 * next(iter(us.values())) / t:.0f}%)" * on_gpu for t in us.values()) + " |")
             print(f"{table}: {lines[-1]}")
-    if DEVICE.type == "cuda":
-        pages["host cost of an eager call"] = host_cost()
-        print("\n".join(pages["host cost of an eager call"]))
-    return pages
+    if not on_gpu:
+        return
+    x, freqs = torch.randn(1, 128, 2, 64, **bf16), rope_freqs(128, 64, device=DEVICE)  # the GPU waits for the host
+    (q, k, v), qkv = [x.clone().requires_grad_() for _ in "qkv"], x.repeat(1, 1, 1, 3).requires_grad_()
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(*(y.transpose(1, 2) for y in (q, k, v)))  # noqa
+    ours = lambda: apply_rotary_pos_emb_qk(q, k, freqs, "bshd")  # noqa: E731
+    bwd = lambda f, n=2: lambda: torch.autograd.backward(f(), [x] * n)  # noqa: E731: forward + backward of f
+    fns = {"empty op (x + 1)": lambda: x + 1, "autograd alone: identity Function on q, k, forward + backward":
+           bwd(lambda: Identity.apply(q, k)), "SDPA, forward": sdpa, "SDPA, forward + backward":
+           lambda: sdpa().backward(x.transpose(1, 2)), "ours, q and k, forward, no grad":
+           lambda: apply_rotary_pos_emb_qk(x, x, freqs, "bshd"), "ours, q and k, forward": ours,
+           "ours, q and k, forward + backward": bwd(ours), "ours, fused QKV, forward + backward":
+           bwd(lambda: apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [64, 64, 64], "bshd"), 3)}
+    times = [(name, _us(fn, calls=200)) for _ in range(7) for name, fn in fns.items()]  # rounds interleaved
+    us = {name: sorted(t for n, t in times if n == name)[3] for name in fns}
+    rows = ["| eager call, (1, 128, 2, 64) bf16 | host us per call | empty ops |", "|---|---|---|"] + [
+        f"| {name} | {t:.1f} | {t / us['empty op (x + 1)']:.1f} |" for name, t in us.items()]
+    print("\n".join(pages.setdefault("host cost of an eager call", rows)))
+    write_page(results_dir, pages)
 
 
-def write_page(results_dir, pages):
-    """results/<script>_<GPU kind>.md: title, environment, command, what is timed, the tables, the raw log's name."""
+def write_page(results_dir, pages):  # results/<script>_<GPU kind>.md: title, environment, command, TIMED, tables, log
     (here, script), gpu = os.path.split(os.path.abspath(__file__)), torch.cuda.get_device_name()
     stem = script[:-3] + "_" + next((w for w in gpu.split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
     commit = os.popen(f'git -C "{here}" rev-parse --short HEAD 2>{os.devnull}').read().strip() or "n/a"
+    os.makedirs(results_dir, exist_ok=True)
     with open(os.path.join(results_dir, stem + ".md"), "w") as f:
         f.write(f"# {__doc__.splitlines()[1]}\n\ndevice: {gpu}; date: {time.strftime('%Y-%m-%d')}; torch "
                 f"{torch.__version__}; triton {triton.__version__}; python {sys.version.split()[0]}; commit {commit}; "
                 f"{script} md5 {hashlib.md5(open(__file__, 'rb').read()).hexdigest()[:8]}\n\nCommand: `python "
-                f"{' '.join(sys.argv)}`\n\n{TIMED}\n\n" + "".join(
-                    f"## {table}\n\n" + "\n".join(lines) + "\n\n" for table, lines in pages.items())
-                + f"Raw log: `{stem}.log`.\n")
+                f"{' '.join(sys.argv)}`\n\n{TIMED}\n\n" + "".join(f"## {t}\n\n" + "\n".join(lines) + "\n\n"
+                                                            for t, lines in pages.items()) + f"Raw log: `{stem}.log`.\n")
 
 
 if __name__ == "__main__":
@@ -822,7 +747,4 @@ if __name__ == "__main__":
     parser.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                         help="folder for the page (written only on a GPU)")
     args, _ = parser.parse_args(), self_check()
-    pages = benchmark()
-    if DEVICE.type == "cuda":
-        os.makedirs(args.results, exist_ok=True)
-        write_page(args.results, pages)
+    benchmark(args.results)

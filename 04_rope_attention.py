@@ -23,8 +23,7 @@ file imports only torch and triton: copy it alone into your project.
 # %%
 # Setup
 # -----
-# With no GPU, run the kernels through Triton's interpreter; the variable must be set before
-# triton is imported.
+# With no GPU, the kernels run in Triton's interpreter: the variable must be set before triton is imported.
 import argparse
 import hashlib
 import importlib.util
@@ -33,6 +32,8 @@ import math
 import os
 import sys
 import time
+import timeit
+import types
 from typing import List, Optional, Tuple
 
 import torch
@@ -44,6 +45,7 @@ import triton
 import triton.language as tl
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16  # of the checks: the interpreter's bf16 dot is wrong
 Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: a global there must be a tl.constexpr
@@ -68,10 +70,8 @@ def rope_reference(t, freqs, interleaved=False):
     """RoPE on t [b, s, h, d] in float32."""
     d2, angles = freqs.shape[-1], freqs[:t.shape[1], 0, 0][None, :, None, :]
     x, x_pass = t[..., :d2].float(), t[..., d2:].float()
-    if interleaved:
-        x_rot = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-    else:
-        x_rot = torch.cat((-x[..., d2 // 2:], x[..., :d2 // 2]), dim=-1)
+    x_rot = (torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2) if interleaved
+             else torch.cat((-x[..., d2 // 2:], x[..., :d2 // 2]), dim=-1))
     return torch.cat((x * angles.cos() + x_rot * angles.sin(), x_pass), dim=-1)
 
 
@@ -82,8 +82,7 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
     k, v = k.repeat_interleave(group, dim=2), v.float().repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * (sm_scale or q.shape[-1] ** -0.5)
     visible = torch.ones(s, s, dtype=torch.bool, device=q.device).tril(0 if causal else s)[None, None]
-    if attention_mask is not None:
-        visible = visible & attention_mask.bool()[:, None, None, :]
+    visible = visible & attention_mask.bool()[:, None, None, :] if attention_mask is not None else visible
     p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)  # empty rows: 0
     return torch.einsum("bhqk,bkhd->bqhd", p, v)
 
@@ -122,10 +121,9 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # Both kernels subtract delta = rowsum(dO * O) from dP: the dq kernel runs first and computes it next to the dO tile
 # it loads anyway, for the dkdv kernel to read (a launch and a read of dO fewer than a kernel of its own).
 #
-# What did not help (results/04_rope_attention_ab.log): rotating each K tile inside the loops, with no pass (slower
-# forward + backward everywhere); rotating q again in the backward instead of saving rq (the write moves into a
-# kernel bound by bytes); sin and cos per element instead of the table; FlashAttention 2's d(Rq) summed with atomics
-# into a float32 buffer as large as q (slower at every benchmark shape).
+# Did not help (results/04_rope_attention_ab.log): K tiles rotated in the loops, no pass (forward + backward slower
+# everywhere); q rotated again in the backward, not saved (the write moves into a kernel bound by bytes); sin and cos
+# per element; FlashAttention 2's d(Rq) summed by atomics into a float32 buffer as large as q (slower at every shape).
 
 # %%
 # The kernels
@@ -458,17 +456,13 @@ CONFIGS = {
 PASS_CONFIG = dict(ROWS=64, num_warps=4)  # rows (positions x heads) per program of the rotation pass
 INT32_LIMIT = 2**31  # offsets within a head that could reach this are int64 (WIDE); a test lowers it
 _checked, _launches = {}, {}
-# An eager call on small tensors is bound by the host. Triton's ``kernel[grid](...)`` binds and specializes some
-# forty arguments on every call, and the checks and launch parameters would be rebuilt each time, yet all of it
-# depends only on the call's signature: shapes, strides, dtypes, devices, 16-byte alignment (which Triton
-# specializes pointers on) and the options. So (as in 02 and 03) the checks run once per signature, later launches go
-# straight to the compiled kernel, and eager calls skip the dispatcher (results/04_rope_attention_H100.md: host cost).
-
-
-def _signature(*args):
-    """Each tensor's shape, strides, dtype, device and alignment; any other argument with its type."""
-    return tuple([(x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16) if isinstance(x, torch.Tensor)
-                  else (type(x), x) for x in args])
+_strides = lambda *ts, order=(0, 1, 2, 3): [x.stride(i) for x in ts for i in order]  # noqa: E731  (b, s, h, d) order
+# An eager call on small tensors is bound by the host: ``kernel[grid](...)`` binds and specializes some forty
+# arguments per call, and checks and launch parameters would be rebuilt, yet all depend only on the signature (shapes,
+# strides, dtypes, devices, options, and the 16-byte alignment Triton specializes pointers on). So checks run once per
+# signature, later launches go straight to the compiled kernel, and eager calls skip the dispatcher (host cost table).
+_signature = lambda *args: tuple([(x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16)  # noqa: E731
+                                  if isinstance(x, torch.Tensor) else (type(x), x) for x in args])
 
 
 def _once(cache, key, compute):
@@ -476,9 +470,8 @@ def _once(cache, key, compute):
     try:
         return cache[key]
     except (KeyError, TypeError):
-        pass
-    if len(cache) >= 4096:  # a workload of ever new shapes starts over
-        cache.clear()
+        if len(cache) >= 4096:  # a workload of ever new shapes starts over
+            cache.clear()
     cache[key] = value = compute()
     return value
 
@@ -498,53 +491,43 @@ def _launch_cached(kernel, key, tensors, plan):
 
 def _config(kernel, head_dim, seqlen=0, causal=False, masked=False):
     shape = "d<=64" if head_dim <= 64 else "d>64"
-    if kernel == "fwd":
-        shape += (", s<=1024" if seqlen <= 1024 else ", s>1024") if head_dim <= 64 else (", causal" if causal else "")
-    elif kernel == "dq" and head_dim <= 64 and masked:
-        shape += ", mask"
-    config = dict(CONFIGS[(kernel, shape)])
-    return config if DEVICE.type == "cuda" else dict(config, BLOCK_M=32, BLOCK_N=32, num_warps=4)
-
-
-def _pow2(n, at_least):
-    return max(at_least, 1 << (int(n) - 1).bit_length())
+    shape += {"fwd": (", s<=1024" if seqlen <= 1024 else ", s>1024") if head_dim <= 64 else ", causal" * causal,
+              "dq": ", mask" if head_dim <= 64 and masked else ""}.get(kernel, "")
+    interpreter = {} if DEVICE.type == "cuda" else dict(BLOCK_M=32, BLOCK_N=32, num_warps=4)
+    return dict(CONFIGS[(kernel, shape)], **interpreter)
 
 
 def _dims(q, k, rot_dim):
-    """Sizes, and the rotated layout's: HALF (pairs, padded), PASS (pass-through tile), W (row width)."""
-    half, n_pass = rot_dim // 2, q.shape[3] - rot_dim
-    HALF = _pow2(half, 8)  # 2 * HALF >= 16: a dot's smallest K
-    return dict(batch=q.shape[0], seqlen=q.shape[1], n_heads=q.shape[2], n_kv_heads=k.shape[2], head_dim=q.shape[3],
-                half=half, n_pass=n_pass, HALF=HALF, PASS=_pow2(n_pass, 16), W=2 * HALF + n_pass,
-                D=_pow2(q.shape[3], 16))
+    """Sizes; the rotated layout's HALF (pairs, padded), PASS (pass-through tile), W (row width); the pass's HEADS (k
+    heads) and BLOCK_S (positions) per program; the sizes the attention kernels take."""
+    pow2 = lambda n, at_least: max(at_least, 1 << (int(n) - 1).bit_length())  # noqa: E731
+    (b, s, h, d), h_kv, half, n_pass = q.shape, k.shape[2], rot_dim // 2, q.shape[3] - rot_dim
+    HALF, HEADS = pow2(half, 8), min(pow2(h_kv, 1), PASS_CONFIG["ROWS"])  # 2 * HALF >= 16: a dot's smallest K
+    return types.SimpleNamespace(batch=b, seqlen=s, n_heads=h, n_kv_heads=h_kv, head_dim=d, half=half, n_pass=n_pass,
+                                 HALF=HALF, PASS=pow2(n_pass, 16), W=2 * HALF + n_pass, D=pow2(d, 16), HEADS=HEADS,
+                                 BLOCK_S=PASS_CONFIG["ROWS"] // HEADS, sizes=(s, h, h // h_kv, half, n_pass))
 
 
-def _strides(*tensors, order=(0, 1, 2, 3)):
-    """The tensors' strides in (b, s, h, d) order; order=(0, 2, 1, 3) reads rq and rk's [b, h, s, W]."""
-    return [x.stride(i) for x in tensors for i in order]
-
-
-def _constexprs(dims, causal, interleaved, key_mask, *tensors):
-    """The compile-time arguments the attention kernels share. WIDE: could a position's offset within one head (in
-    the tensors' layouts, or the rotated one) reach INT32_LIMIT?"""
-    strides = _strides(*tensors)
-    ends = [(dims["seqlen"] - 1) * abs(st_s) + (dims["head_dim"] - 1) * abs(st_d)
-            for st_s, st_d in zip(strides[1::4], strides[3::4])]
-    return dict(HALF=dims["HALF"], PASS=dims["PASS"], D=dims["D"], W=dims["W"], INTERLEAVED=interleaved,
-                HAS_PASS=dims["n_pass"] > 0, CAUSAL=causal, HAS_MASK=key_mask is not None,
-                EVEN_D=dims["D"] == dims["head_dim"], WIDE=max(ends + [dims["seqlen"] * dims["W"]]) >= INT32_LIMIT)
+def _plan(kernel, d, sm_scale, causal, interleaved, key_mask, strided, wide, **extra):
+    """(grid, scalars, constexprs) of an attention kernel: a program per block of queries of a head, or (dkdv) of keys
+    of a k head. WIDE: could a position's offset within one head (of a tensor in wide, or rq, rk) reach INT32_LIMIT?"""
+    cfg, dkdv = _config(kernel, d.head_dim, d.seqlen, causal, key_mask is not None), kernel == "dkdv"
+    ends = [(d.seqlen - 1) * abs(x.stride(1)) + (d.head_dim - 1) * abs(x.stride(3)) for x in wide]
+    blocks, heads = (cfg["BLOCK_N"], d.n_kv_heads) if dkdv else (cfg["BLOCK_M"], d.n_heads)
+    return (triton.cdiv(d.seqlen, blocks), d.batch * heads), (sm_scale * LOG2E, *d.sizes, *_strides(*strided)), dict(
+        EVEN_N=d.seqlen % cfg["BLOCK_N"] == 0, **(dict(EVEN_M=d.seqlen % cfg["BLOCK_M"] == 0) if dkdv else {}), **extra,
+        **cfg, HALF=d.HALF, PASS=d.PASS, D=d.D, W=d.W, INTERLEAVED=interleaved, HAS_PASS=d.n_pass > 0, CAUSAL=causal,
+        HAS_MASK=key_mask is not None, EVEN_D=d.D == d.head_dim, WIDE=max(ends + [d.seqlen * d.W]) >= INT32_LIMIT)
 
 
 def _forward_fake(qkv, freqs, key_mask, sm_scale, causal, interleaved, save_rotated):
     """The forward op's outputs, empty: (o, lse, rq, rk, trig); rq is empty when no backward will run; trig is the
     float32 table [s, 4 * HALF] of cos_a, sin_a, cos_b, sin_b per position."""
     q, k, _ = qkv if len(qkv) == 3 else qkv[0].unbind(2)
-    dims = _dims(q, k, freqs.shape[3])
-    b, s, h, h_kv, w = (dims[key] for key in ("batch", "seqlen", "n_heads", "n_kv_heads", "W"))
-    rq = q.new_empty(b, h, s, w) if save_rotated else q.new_empty(0)
+    (b, s, h, _), h_kv, d = q.shape, k.shape[2], _dims(q, k, freqs.shape[3])
+    rq = q.new_empty(b, h, s, d.W) if save_rotated else q.new_empty(0)
     return (torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(b, h, s, dtype=torch.float32), rq,
-            q.new_empty(b, h_kv, s, w),
-            q.new_empty(s, 4 * dims["HALF"], dtype=torch.float32))
+            q.new_empty(b, h_kv, s, d.W), q.new_empty(s, 4 * d.HALF, dtype=torch.float32))
 
 
 def _forward(qkv: List[Tensor], freqs: Tensor, key_mask: Optional[Tensor], sm_scale: float, causal: bool,
@@ -555,78 +538,52 @@ def _forward(qkv: List[Tensor], freqs: Tensor, key_mask: Optional[Tensor], sm_sc
     key = _signature(q, k, v, freqs, key_mask, sm_scale, causal, interleaved, save_rotated)
 
     def plan_pass():  # the pass: k -> rk, and the cos/sin table
-        dims = _dims(q, k, freqs.shape[3])
-        heads = min(_pow2(dims["n_kv_heads"], 1), PASS_CONFIG["ROWS"])
-        return (triton.cdiv(dims["seqlen"], PASS_CONFIG["ROWS"] // heads), dims["batch"],
-                triton.cdiv(dims["n_kv_heads"], heads)), (
-            dims["seqlen"], dims["n_kv_heads"], dims["half"], dims["n_pass"], *_strides(k),
-            *_strides(rk, order=(0, 2, 1, 3)), freqs.stride(0), freqs.stride(-1)), dict(
-            BLOCK_S=PASS_CONFIG["ROWS"] // heads, HEADS=heads, HALF=dims["HALF"], PASS=dims["PASS"],
-            INTERLEAVED=interleaved, HAS_PASS=dims["n_pass"] > 0, num_warps=PASS_CONFIG["num_warps"])
-
-    def plan_attention():
-        dims = _dims(q, k, freqs.shape[3])
-        s, h, cfg = dims["seqlen"], dims["n_heads"], _config("fwd", dims["head_dim"], dims["seqlen"], causal)
-        return (triton.cdiv(s, cfg["BLOCK_M"]), dims["batch"] * h), (
-            sm_scale * LOG2E, s, h, h // dims["n_kv_heads"], dims["half"], dims["n_pass"], *_strides(q, v, o)), dict(
-            EVEN_N=s % cfg["BLOCK_N"] == 0, SAVE_RQ=save_rotated, **cfg,
-            **_constexprs(dims, causal, interleaved, key_mask, q, v, o))
+        d = _dims(q, k, freqs.shape[3])
+        return (triton.cdiv(d.seqlen, d.BLOCK_S), d.batch, triton.cdiv(d.n_kv_heads, d.HEADS)), (
+            d.seqlen, d.n_kv_heads, d.half, d.n_pass, *_strides(k), *_strides(rk, order=(0, 2, 1, 3)), freqs.stride(0),
+            freqs.stride(-1)), dict(BLOCK_S=d.BLOCK_S, HEADS=d.HEADS, HALF=d.HALF, PASS=d.PASS, INTERLEAVED=interleaved,
+                                    HAS_PASS=d.n_pass > 0, num_warps=PASS_CONFIG["num_warps"])
     _launch_cached(rope_pass_kernel, key, (k, rk, freqs, trig), plan_pass)
     _launch_cached(rope_attn_fwd_kernel, key, (q, rk, v, o, lse, rq, trig, key_mask if key_mask is not None else lse),
-                   plan_attention)
+                   lambda: _plan("fwd", _dims(q, k, freqs.shape[3]), sm_scale, causal, interleaved, key_mask,
+                                 (q, v, o), (q, v, o), SAVE_RQ=save_rotated))
     return o, lse, rq, rk, trig
 
 
 def _backward_fake(do, rq, rk, qkv_or_v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, packed):
     """The backward op's outputs, empty: [dqkv] for packed qkv, else [dq, dk, dv] (dq's shape from rq [b, h, s, W])."""
-    if packed:
-        return [qkv_or_v.new_empty(qkv_or_v.shape)]
     v, (b, h, s) = qkv_or_v, rq.shape[:3]
-    return [v.new_empty(b, s, h, v.shape[3]), *(torch.empty_like(v, memory_format=torch.contiguous_format) for _ in 'kv')]
+    return [v.new_empty(v.shape)] if packed else [
+        v.new_empty(b, s, h, v.shape[3]), *(torch.empty_like(v, memory_format=torch.contiguous_format) for _ in "kv")]
 
 
 def _backward(do: Tensor, rq: Tensor, rk: Tensor, qkv_or_v: Tensor, o: Tensor, lse: Tensor, trig: Tensor,
               key_mask: Optional[Tensor], rot_dim: int, sm_scale: float, causal: bool, interleaved: bool,
               packed: bool) -> List[Tensor]:
-    """The backward op: v, or packed qkv whole; the kernels write dq, dk and dv with any strides (for packed qkv,
-    into the three slices of one gradient)."""
+    """The backward op: v, or packed qkv whole; dq, dk, dv written with any strides (packed: one gradient's thirds)."""
     grads = _backward_fake(do, rq, rk, qkv_or_v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, packed)
-    v = qkv_or_v.unbind(2)[2] if packed else qkv_or_v
-    dq, dk, dv = grads[0].unbind(2) if packed else grads
+    v, (dq, dk, dv) = (qkv_or_v.unbind(2)[2], grads[0].unbind(2)) if packed else (qkv_or_v, grads)
     delta = torch.empty_like(lse)  # written by the dq kernel, read by the dkdv kernel
     key = _signature(do, rq, rk, qkv_or_v, o, lse, trig, key_mask, rot_dim, sm_scale, causal, interleaved, packed)
     shared = (lse, delta, trig, key_mask if key_mask is not None else lse)  # (lse stands in for an absent mask)
-
-    def plan(kernel):
-        dims = _dims(dq, dk, rot_dim)
-        s, h, n_kv_heads = dims["seqlen"], dims["n_heads"], dims["n_kv_heads"]
-        cfg = _config(kernel, dims["head_dim"], masked=key_mask is not None)
-        blocks, heads, outs = (cfg["BLOCK_M"], h, (o, dq)) if kernel == "dq" else (cfg["BLOCK_N"], n_kv_heads, (dk, dv))
-        return (triton.cdiv(s, blocks), dims["batch"] * heads), (
-            sm_scale * LOG2E, s, h, h // n_kv_heads, dims["half"], dims["n_pass"], *_strides(v, do, *outs)), dict(
-            EVEN_N=s % cfg["BLOCK_N"] == 0, **(dict(EVEN_M=s % cfg["BLOCK_M"] == 0) if kernel == "dkdv" else {}),
-            **_constexprs(dims, causal, interleaved, key_mask, v, do, dq, dk, dv), **cfg)
-    _launch_cached(rope_attn_bwd_dq_kernel, key, (rq, rk, v, do, o, dq, *shared), lambda: plan("dq"))
-    _launch_cached(rope_attn_bwd_dkdv_kernel, key, (rq, rk, v, do, dk, dv, *shared), lambda: plan("dkdv"))
+    plan = lambda kernel, *outs: _plan(kernel, _dims(dq, dk, rot_dim), sm_scale, causal, interleaved,  # noqa: E731
+                                       key_mask, (v, do, *outs), (v, do, dq, dk, dv))
+    _launch_cached(rope_attn_bwd_dq_kernel, key, (rq, rk, v, do, o, dq, *shared), lambda: plan("dq", o, dq))
+    _launch_cached(rope_attn_bwd_dkdv_kernel, key, (rq, rk, v, do, dk, dv, *shared), lambda: plan("dkdv", dk, dv))
     return grads
 
 
 # %%
-# The operators
-# -------------
-# torch.compile cannot trace into a Triton launch it does not know. Registered as a torch.library.custom_op, the
-# launch is one opaque node of the graph: register_fake gives the compiler the outputs' shapes without running
-# anything, register_autograd the backward (another custom op). Inductor compiles the code around them and calls our
-# kernels as they are. Outside the ops everything is traced, so the argument checks read shapes, dtypes and devices,
-# never values (a value would need a host sync, which breaks the graph). For packed qkv the backward op returns one
-# gradient of qkv's shape, into whose three slices the kernels write (autograd would stack three: a copy of them all).
+# The operators, argument checks and the public functions
+# -------------------------------------------------------
+# torch.compile cannot trace into a Triton launch it does not know. Registered as a torch.library.custom_op, the launch
+# is one opaque node of the graph: register_fake gives the compiler the outputs' shapes without running anything,
+# register_autograd the backward (another custom op); Inductor compiles the code around them and calls our kernels as
+# they are. Outside the ops all is traced: checks read shapes, dtypes, devices, never values (a sync breaks the graph).
 
 
-def _custom_op(name, fn, fake):
-    """Register fn as rope_attention_tutorial::name (a fresh name if this file was loaded before)."""
-    n = 0
-    while hasattr(torch.ops.rope_attention_tutorial, f"{name}{n or ''}"):
-        n += 1
+def _custom_op(name, fn, fake):  # rope_attention_tutorial::name, a fresh name if this file was loaded before
+    n = next(n for n in itertools.count() if not hasattr(torch.ops.rope_attention_tutorial, f"{name}{n or ''}"))
     op = torch.library.custom_op(f"rope_attention_tutorial::{name}{n or ''}", fn, mutates_args=())
     op.register_fake(fake)
     return op
@@ -636,40 +593,26 @@ forward_op = _custom_op("forward", _forward, _forward_fake)
 backward_op = _custom_op("backward", _backward, _backward_fake)
 
 
-def _save_for_backward(ctx, inputs, output):
+def _save_for_backward(ctx, inputs, output):  # the forward op's setup_context, and the eager Function's
     qkv, freqs, key_mask, sm_scale, causal, interleaved, _ = inputs
     o, lse, rq, rk, trig = output
     ctx.mark_non_differentiable(lse, rq, rk, trig)  # only o carries a gradient, and autograd would
     ctx.set_materialize_grads(False)  # otherwise fill zero gradients as large as rq and rk for the others
-    # v, or for packed qkv the whole of it (v is a view of it); q and k are not needed, rq and rk are
-    ctx.save_for_backward(rq, rk, qkv[2] if len(qkv) == 3 else qkv[0], o, lse, trig, key_mask)
+    ctx.save_for_backward(rq, rk, qkv[2] if len(qkv) == 3 else qkv[0], o, lse, trig, key_mask)  # v, or all of qkv
     ctx.args = freqs.shape[3], sm_scale, causal, interleaved, len(qkv) == 1
+    return output
 
 
-forward_op.register_autograd(  # o's gradient (the other outputs carry none) to qkv; nothing to the other inputs
-    lambda ctx, do, *_: (backward_op(do, *ctx.saved_tensors, *ctx.args),) + (None,) * 6,
-    setup_context=_save_for_backward)
+forward_op.register_autograd(lambda ctx, do, *_: (backward_op(do, *ctx.saved_tensors, *ctx.args),) + (None,) * 6,
+                             setup_context=_save_for_backward)  # o's gradient (the others carry none) to qkv alone
 
 
-class _RoPEAttention(torch.autograd.Function):
-    """Eager mode's autograd: the ops' functions, called directly (the dispatcher costs more than the launches)."""
-
+class _RoPEAttention(torch.autograd.Function):  # eager: the ops' functions, no dispatcher (it costs more than a launch)
     @staticmethod
     def forward(ctx, *args):  # q, k, v (or packed qkv), freqs, key_mask, sm_scale, causal, interleaved
-        inputs = (list(args[:-5]), *args[-5:], True)
-        output = _forward(*inputs)
-        _save_for_backward(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do, *_):
-        return (*_backward(do, *ctx.saved_tensors, *ctx.args), *[None] * 5)
-
-
-# %%
-# Argument checks and the public functions
-# ----------------------------------------
+        return _save_for_backward(ctx, inputs := (list(args[:-5]), *args[-5:], True), _forward(*inputs))
+    backward = staticmethod(torch.autograd.function.once_differentiable(
+        lambda ctx, do, *_: (*_backward(do, *ctx.saved_tensors, *ctx.args), *[None] * 5)))
 
 
 def _check(q, k, v, freqs, attention_mask, sm_scale):
@@ -679,12 +622,11 @@ def _check(q, k, v, freqs, attention_mask, sm_scale):
                             f"got {type(x).__name__}")
         if x is not None and x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
-    for name, x in dict(q=q, k=k, v=v).items():
-        if x.dtype != q.dtype:
+        if name == "q" and q.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
+        if name in "qkv" and x.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
-        if x.dim() != 4:
+        if name in "qkv" and x.dim() != 4:
             raise ValueError(f"{name} must be 4-D [b, s, h, d], got shape {tuple(x.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -720,11 +662,10 @@ def _attention(qkv, q, k, v, freqs, causal, attention_mask, sm_scale, interleave
     key_mask = attention_mask.to(torch.int8).contiguous() if attention_mask is not None else None
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     save_rotated = torch.is_grad_enabled() and any(x.requires_grad for x in qkv)  # else rq is not written
-    if tracing:
-        return forward_op(qkv, freqs, key_mask, sm_scale, causal, interleaved, save_rotated)[0]
-    if save_rotated:
-        return _RoPEAttention.apply(*qkv, freqs, key_mask, sm_scale, causal, interleaved)[0]
-    return _forward(qkv, freqs, key_mask, sm_scale, causal, interleaved, False)[0]
+    args = (freqs, key_mask, sm_scale, causal, interleaved)
+    if tracing:  # the op, which torch.compile traces through its fake and autograd registrations
+        return forward_op(qkv, *args, save_rotated)[0]
+    return (_RoPEAttention.apply(*qkv, *args) if save_rotated else _forward(qkv, *args, False))[0]
 
 
 def rope_attention(q, k, v, freqs, *, causal=False, attention_mask=None, sm_scale=None, interleaved=False):
@@ -740,8 +681,7 @@ def rope_attention(q, k, v, freqs, *, causal=False, attention_mask=None, sm_scal
         padded keys are never attended to. A query that sees no key returns zeros.
     sm_scale: softmax scale, positive, 1/sqrt(d) by default. interleaved: rotate pairs (RoFormer, GPT-J).
     Returns the output [b, s, h, d] in q's dtype. The gradients are deterministic: every sum runs in a fixed
-    order, so a call gives the same bits every time.
-    """
+    order, so a call gives the same bits every time."""
     return _attention([q, k, v], q, k, v, freqs, causal, attention_mask, sm_scale, interleaved)
 
 
@@ -761,110 +701,83 @@ def rope_attention_qkvpacked(qkv, freqs, *, causal=False, attention_mask=None, s
 # %%
 # Unit test
 # ---------
-# Odd lengths, GQA, partial rotary with arbitrary angles, a padding mask with a fully padded sequence: output and
-# gradients against the float32 reference, eager and compiled. tests/test_04_rope_attention.py covers the whole matrix.
+# One irregular case of each feature, eager and compiled; tests/test_04_rope_attention.py covers the whole matrix.
 
 
 def self_check():
     torch.manual_seed(0)
     b, s, h, h_kv, d = (3, 257, 4, 2, 80) if DEVICE.type == "cuda" else (2, 37, 2, 1, 32)
-    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
     freqs = torch.randn(s, 1, 1, d - 16, device=DEVICE)  # partial rotary, halves differ
     mask = torch.ones(b, s, dtype=torch.bool, device=DEVICE)
-    mask[0, s // 2:] = False  # padding at the end of one sequence ...
-    mask[-1] = False  # ... and a sequence with no real token: its rows return 0
+    mask[0, s // 2:], mask[-1] = False, False  # padding after s/2; a sequence with no real token (its rows return 0)
     compiled = torch.compile(rope_attention, fullgraph=True, backend="inductor" if DEVICE.type == "cuda" else "aot_eager")
-    for causal, interleaved in ((False, False), (False, True), (True, False), (True, True)):
-        q = torch.randn(b, s, h, d, device=DEVICE, dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(b, s, h_kv, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(2))
+    for causal, interleaved, fn in itertools.product((False, True), (False, True), (rope_attention, compiled)):
+        q, k, v = (torch.randn(b, s, n, d, device=DEVICE, dtype=DTYPE, requires_grad=True) for n in (h, h_kv, h_kv))
         kwargs = dict(causal=causal, attention_mask=mask, interleaved=interleaved)
-        for fn in (rope_attention, compiled):
-            out, ref = fn(q, k, v, freqs, **kwargs), attention_reference(q, k, v, freqs, **kwargs)
-            torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-            do = torch.randn_like(out)
-            for g, r in zip(torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do.float())):
-                torch.testing.assert_close(g.float(), r.float(), atol=2e-2, rtol=2e-2)
+        out, ref = fn(q, k, v, freqs, **kwargs), attention_reference(q, k, v, freqs, **kwargs)
+        do = torch.randn_like(out)  # the output, then dq, dk, dv
+        for x, r in zip((out, *torch.autograd.grad(out, (q, k, v), do)),
+                        (ref, *torch.autograd.grad(ref, (q, k, v), do.float()))):
+            torch.testing.assert_close(x.float(), r.float(), atol=2e-2, rtol=2e-2)
     print(f"self-check passed: output and dq/dk/dv, eager and torch.compile(fullgraph=True), causal and not, both "
-          f"pairings, a fully padded sequence, GQA {h}/{h_kv}, s={s}, d={d}, d2={d - 16}, {dtype} ({DEVICE.type})")
+          f"pairings, a fully padded sequence, GQA {h}/{h_kv}, s={s}, d={d}, d2={d - 16}, {DTYPE} ({DEVICE.type})")
 
 
 # %%
 # Benchmark
 # ---------
-BENCH_SHAPES = [  # (b, h, s, d, causal, padding mask)
-    (32, 12, 512, 64, False, False), (16, 12, 512, 64, False, True), (8, 16, 2048, 64, False, False),
-    (4, 32, 4096, 128, False, False), (4, 32, 4096, 128, True, False), (2, 16, 8192, 64, True, False)]
-TIMED = ("bf16; ours, and the unfused paths: 03's RoPE (apply_rotary_pos_emb_qk) on q and k, then SDPA (cuDNN, flash) "
-         "or FlexAttention compiled per shape. Timing 'graph': GPU time, the calls replayed from a CUDA graph "
-         "(triton.testing.do_bench_cudagraph); 'eager call': calls as a user makes them, host cost included "
-         "(triton.testing.do_bench); medians. TF/s count 4*b*h*s^2*d FLOPs, halved when causal, x3.5 for forward + "
-         "backward; attention is matmuls, so its yardstick is a bf16 8192^3 matmul, timed as 'graph' in the same run.")
-HOST_TIMED = ("Eager calls on tensors so small that the GPU waits for the host: wall time per call of 200 calls in a "
-              "row and one sync, the median of 7 rounds that interleave the calls. 03's RoPE is apply_rotary_pos_emb_qk; "
-              "SDPA its default backend.")
-TABLE_HEADER = ("| (b, h, s, d) | causal | padding mask | provider | timing | fwd TF/s | fwd+bwd TF/s | of the matmul, "
-                "fwd / fwd+bwd |\n" + "|---" * 8 + "|")
-
-
-def _time_ms(fn, how="graph"):
-    """Median ms: GPU time ('graph') or an eager call ('eager call'); on the CPU, one call's wall time."""
-    if DEVICE.type == "cuda":
-        bench = triton.testing.do_bench if how == "eager call" else triton.testing.do_bench_cudagraph
-        return bench(fn, return_mode="median")
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
+BENCH_SHAPES = [(32, 12, 512, 64, False, False), (16, 12, 512, 64, False, True), (8, 16, 2048, 64, False, False),
+                (4, 32, 4096, 128, False, False), (4, 32, 4096, 128, True, False), (2, 16, 8192, 64, True, False)]
 
 
 def _providers(freqs, causal, mask, rope03, b, s):
-    """[(name, fn(q, k, v) -> output [b, s, h, d], timing)]; compiled for this shape alone (dynamic=False)."""
-    torch._dynamo.reset()
+    """[(name, timing, fn(q, k, v) -> [b, s, h, d])]: ours; with rope03, 03's RoPE then attention on [b, h, s, d]."""
     ours = lambda q, k, v: rope_attention(q, k, v, freqs, causal=causal, attention_mask=mask)  # noqa: E731
-    fns = [("fused (ours)", ours, "graph"), ("fused (ours)", ours, "eager call"),
-           ("fused (ours), compiled", torch.compile(ours, fullgraph=True, dynamic=False), "graph")]
+    fns = [("fused (ours)", "graph", ours), ("fused (ours)", "eager call", ours),
+           ("fused (ours), compiled", "graph", torch.compile(ours, fullgraph=True, dynamic=False))]
     if rope03 is None:
         return fns
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    def rope_then(q, k):
-        q, k = rope03.apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="bshd")
-        return q.transpose(1, 2), k.transpose(1, 2)
-    for backend, name in ((SDPBackend.CUDNN_ATTENTION, "cuDNN"), (SDPBackend.FLASH_ATTENTION, "flash")):
-        def run(q, k, v, backend=backend):
-            with sdpa_kernel(backend):
-                return torch.nn.functional.scaled_dot_product_attention(
-                    *rope_then(q, k), v.transpose(1, 2), is_causal=causal and mask is None,
-                    attn_mask=mask[:, None, None, :] if mask is not None else None).transpose(1, 2)
-        fns += [("03 RoPE + SDPA " + name, run, "graph")] + [("03 RoPE + SDPA cuDNN", run, "eager call")] * (name == "cuDNN")
 
     def mask_mod(b_, h_, q_idx, kv_idx):
         ok = (q_idx >= kv_idx) if causal else (q_idx >= 0)
         return ok & mask[b_, kv_idx] if mask is not None else ok
     block_mask = create_block_mask(mask_mod, b if mask is not None else None, None, s, s, device=DEVICE)
     flex = torch.compile(flex_attention, dynamic=False)
-    return fns + [("03 RoPE + FlexAttention", lambda q, k, v: flex(*rope_then(q, k), v.transpose(1, 2),
-                                                                   block_mask=block_mask).transpose(1, 2), "graph")]
+    sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        q, k, v, is_causal=causal and mask is None, attn_mask=mask[:, None, None, :] if mask is not None else None)
+    cudnn, flash = (sdpa_kernel(be)(sdpa) for be in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION))
+    attend = {"SDPA cuDNN": cudnn, "SDPA flash": flash, "FlexAttention": lambda *qkv: flex(*qkv, block_mask=block_mask)}
+    unfused = lambda fn: lambda q, k, v: fn(*(x.transpose(1, 2) for x in (  # noqa: E731
+        *rope03.apply_rotary_pos_emb_qk(q, k, freqs, tensor_format="bshd"), v))).transpose(1, 2)
+    return fns + [(f"03 RoPE + {name}", how, unfused(fn)) for name, fn in attend.items()
+                  for how in ("graph", "eager call")[:1 + (name == "SDPA cuDNN")]]
 
 
 def benchmark(rope03, yardstick):
-    """The table's rows (printed as they come); rope03 None: ours alone; yardstick None: on the CPU."""
-    rows, cuda = [], DEVICE.type == "cuda"
+    """bf16; ours, and the unfused paths: 03's RoPE (apply_rotary_pos_emb_qk) on q and k, then SDPA (cuDNN, flash) or
+    FlexAttention compiled per shape. Timing 'graph': GPU time, calls replayed from a CUDA graph (do_bench_cudagraph);
+    'eager call': calls as a user makes them, host cost included (do_bench); medians. TF/s count 4*b*h*s^2*d FLOPs,
+    halved when causal, x3.5 for forward + backward, against a bf16 8192^3 matmul timed as 'graph' in the same run."""
+    rows, cuda = ["| (b, h, s, d) | causal | padding mask | provider | timing | fwd TF/s | fwd+bwd TF/s | of the "
+                  "matmul, fwd / fwd+bwd |", "|---" * 8 + "|"], DEVICE.type == "cuda"
+    print(*rows, sep="\n")
     for b, h, s, d, causal, padded in BENCH_SHAPES if cuda else [(1, 2, 64, 32, True, True)]:
-        q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=torch.bfloat16 if cuda else torch.float16,
-                               requires_grad=True) for _ in range(3))
+        q, k, v = (torch.randn(b, s, h, d, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in "qkv")
         freqs, mask, dout = rope_freqs(s, d, device=DEVICE), None, torch.randn_like(q)
         if padded:  # Hugging Face style: each sequence is padded after a random length
             mask = torch.arange(s, device=DEVICE)[None, :] < torch.randint(s // 2, s + 1, (b, 1), device=DEVICE)
-        flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
-        for name, fn, how in _providers(freqs, causal, mask, rope03, b, s):
-            both = lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout)  # noqa: E731
+        torch._dynamo.reset()  # what is compiled is compiled for this shape alone (dynamic=False)
+        for name, how, fn in _providers(freqs, causal, mask, rope03, b, s):
+            fwd, both = lambda: fn(q, k, v), lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+            bench = triton.testing.do_bench if how == "eager call" else triton.testing.do_bench_cudagraph
             try:
-                both()  # compiles, where it does
-                fwd_ms, both_ms = _time_ms(lambda: fn(q, k, v), how), _time_ms(both, how)
-                fwd, fwd_bwd = flops / fwd_ms / 1e9, 3.5 * flops / both_ms / 1e9
-                cells = (f"{fwd:.0f} ({fwd_ms * 1e3:.0f} us) | {fwd_bwd:.0f} ({both_ms * 1e3:.0f} us) | "
-                         + (f"{fwd / yardstick:.0%} / {fwd_bwd / yardstick:.0%}" if yardstick else "n/a"))
+                both()  # compiles, where it does; on the CPU, the timing is one call's wall time
+                ms = [bench(c, return_mode="median") if cuda else timeit.timeit(c, number=1) * 1e3 for c in (fwd, both)]
+                tfs = [n * 4 * b * h * s * s * d * (0.5 if causal else 1) / m / 1e9 for n, m in zip((1, 3.5), ms)]
+                cells = " | ".join([f"{t:.0f} ({m * 1e3:.0f} us)" for t, m in zip(tfs, ms)] + [
+                    " / ".join(f"{t / yardstick:.0%}" for t in tfs) if yardstick else "n/a"])
             except Exception as e:  # noqa: BLE001  (a backend that does not take this case: flash with a mask)
                 cells = f"n/a ({type(e).__name__}) | |"
             rows.append(f"| {(b, h, s, d)} | {causal} | {padded} | {name} | {how if cuda else 'wall'} | {cells} |")
@@ -872,33 +785,27 @@ def benchmark(rope03, yardstick):
     return rows
 
 
-class _Identity(torch.autograd.Function):  # autograd's own cost: a Function that launches nothing
-    forward = staticmethod(lambda ctx, *xs: tuple(x.new_empty(x.shape) for x in xs))
-    backward = staticmethod(lambda ctx, *grads: grads)
-
-
-def host_cost(rope03, rounds=7, calls=200):
-    """Markdown lines: the median wall time per eager call of calls in a row with one sync, on tensors so small that
-    the GPU waits for the host (rounds interleave the calls, so that a busy moment of the host touches all alike)."""
-    x, freqs = torch.randn(1, 128, 2, 64, device=DEVICE, dtype=torch.bfloat16), rope_freqs(128, 64, device=DEVICE)
+def host_cost(rope03):
+    """Eager calls on tensors so small that the GPU waits for the host: wall time per call of 200 calls in a row and
+    one sync, the median of 7 interleaved rounds. 03's RoPE is apply_rotary_pos_emb_qk; SDPA its default backend."""
+    class Identity(torch.autograd.Function):  # autograd's own cost: a Function that launches nothing
+        forward = staticmethod(lambda ctx, *xs: tuple(x.new_empty(x.shape) for x in xs))
+        backward = staticmethod(lambda ctx, *grads: grads)
+    x, freqs = torch.randn(1, 128, 2, 64, device=DEVICE, dtype=DTYPE), rope_freqs(128, 64, device=DEVICE)
     q, k, v = (x.clone().requires_grad_() for _ in "qkv")
     sdpa = lambda q, k: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
-    fns = {"empty op (x + 1)": lambda: x + 1, "autograd alone: identity Function on q, k, v": lambda: _Identity.apply(
+    fns = {"empty op (x + 1)": lambda: x + 1, "autograd alone: identity Function on q, k, v": lambda: Identity.apply(
         q, k, v)[0], "SDPA": lambda: sdpa(q, k), "03 RoPE + SDPA": rope03 and (lambda: sdpa(
             *rope03.apply_rotary_pos_emb_qk(q, k, freqs, "bshd"))), "ours": lambda: rope_attention(q, k, v, freqs)}
     fns = {name: fn for name, fn in fns.items() if fn}  # 03's row only where 03 sits beside this file
     fns = {**{f"{n}, forward": f for n, f in fns.items()}, "ours, forward, no grad": lambda: rope_attention(
         x, x, x, freqs), **{f"{n}, forward + backward": lambda f=f: f().backward(x) for n, f in list(fns.items())[1:]}}
-    times = {name: [] for name in fns}
-    for _, (name, fn) in itertools.product(range(rounds), fns.items()):
-        fn(), torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        times[name].append((time.perf_counter() - start) / calls * 1e6)
-    us = {name: sorted(t)[rounds // 2] for name, t in times.items()}
+    times, clock = {name: [] for name in fns}, lambda: torch.cuda.synchronize() or time.perf_counter()
+    for _, (name, fn) in itertools.product(range(7), fns.items()):  # rounds: a busy moment of the host touches all
+        fn()  # warm; timeit reads the clock (a sync) before and after; garbage collection stays on, as for a user
+        times[name].append(timeit.Timer(fn, "gc.enable()", clock).timeit(200) / 200 * 1e6)
+    us = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     return ["| eager call, (1, 128, 2, 64) bf16 | host us per call | empty ops |", "|---|---|---|"] + [
         f"| {name} | {t:.1f} | {t / us['empty op (x + 1), forward']:.1f} |" for name, t in us.items()]
 
@@ -908,14 +815,15 @@ def write_page(rows, host, yardstick, results_dir):
     (here, script), gpu = os.path.split(os.path.abspath(__file__)), torch.cuda.get_device_name()
     kind = next((w for w in gpu.split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
     commit = os.popen(f'git -C "{here}" rev-parse --short HEAD 2>{os.devnull}').read().strip() or "n/a"
+    timed = [" ".join(fn.__doc__.split()) for fn in (benchmark, host_cost)]  # what is timed: their docstrings
     os.makedirs(results_dir, exist_ok=True)
     with open(os.path.join(results_dir, f"04_rope_attention_{kind}.md"), "w") as f:
         f.write(f"# RoPE + attention on the {kind}: fused against RoPE then attention\n\ndevice: {gpu}; date: "
                 f"{time.strftime('%Y-%m-%d')}; torch {torch.__version__}; triton {triton.__version__}; python "
                 f"{sys.version.split()[0]}; commit {commit}; {script} md5 "
                 f"{hashlib.md5(open(__file__, 'rb').read()).hexdigest()[:8]}\n\nCommand: `python {' '.join(sys.argv)}`"
-                f"\n\n{TIMED} The matmul ran at {yardstick:.0f} TF/s.\n\n" + "\n".join([TABLE_HEADER] + rows)
-                + f"\n\n## Host cost of an eager call\n\n{HOST_TIMED}\n\n" + "\n".join(host)
+                f"\n\n{timed[0]} The matmul ran at {yardstick:.0f} TF/s.\n\n" + "\n".join(rows)
+                + f"\n\n## Host cost of an eager call\n\n{timed[1]}\n\n" + "\n".join(host)
                 + f"\n\nRaw log: `04_rope_attention_{kind}.log`\n")
 
 
@@ -923,22 +831,20 @@ if __name__ == "__main__":
     here = os.path.dirname(os.path.abspath(__file__))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--results", default=os.path.join(here, "results"), help="folder for the page (GPU only)")
-    args, _ = parser.parse_args(), self_check()
-    rope03, yardstick = None, None
-    if DEVICE.type == "cuda":
-        a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
-        yardstick = 2 * 8192**3 / _time_ms(lambda: a @ a) / 1e9
-        print(f"yardstick: a bf16 8192^3 matmul runs at {yardstick:.0f} TF/s on this GPU (GPU time)")
-        if os.path.exists(os.path.join(here, "03_rope_bwd.py")):  # 03's RoPE, the unfused paths' first step
-            spec = importlib.util.spec_from_file_location("rope_bwd", os.path.join(here, "03_rope_bwd.py"))
-            rope03 = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(rope03)
-    else:
+    args, _, peer = parser.parse_args(), self_check(), os.path.join(here, "03_rope_bwd.py")
+    if DEVICE.type != "cuda":
         print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only show that the "
               "benchmark runs; they say nothing about speed.")
-    print(TABLE_HEADER)
-    rows = benchmark(rope03, yardstick)
-    if DEVICE.type == "cuda":
-        host = host_cost(rope03)
-        print("\n".join(host))
+        benchmark(None, None)
+    else:
+        a, rope03 = torch.randn(8192, 8192, device=DEVICE, dtype=DTYPE), None  # rope03: the unfused paths' first step
+        yardstick = 2 * 8192**3 / triton.testing.do_bench_cudagraph(lambda: a @ a, return_mode="median") / 1e9
+        print(f"yardstick: a bf16 8192^3 matmul runs at {yardstick:.0f} TF/s on this GPU (GPU time)")
+        if os.path.exists(peer):
+            spec = importlib.util.spec_from_file_location("rope_bwd", peer)
+            spec.loader.exec_module(rope03 := importlib.util.module_from_spec(spec))
+        else:
+            print(f"{peer} is missing: ours alone, no unfused paths to compare with")
+        rows, host = benchmark(rope03, yardstick), host_cost(rope03)
+        print(*host, sep="\n")
         write_page(rows, host, yardstick, args.results)

@@ -215,6 +215,16 @@ def test_freqs_requiring_grad_is_refused():
         rope.apply_fused_qkv_rotary_pos_emb(qkv, table, table.clone().requires_grad_(), [16, 16, 16])
 
 
+def test_write_page(tmp_path, monkeypatch):
+    """The page writer runs only on a GPU: check its file name and sections with a stand-in device name."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H100 80GB HBM3")
+    rope.write_page(str(tmp_path / "results"), {"q and k, backward": ["| shape (b, s, h, d) | copy | ours |", "|---|"]})
+    page = (tmp_path / "results" / "03_rope_bwd_H100.md").read_text()
+    for part in ("device: NVIDIA H100", "03_rope_bwd.py md5 ", "Command: `python ", "do_bench_cudagraph",
+                 "## q and k, backward\n\n| shape (b, s, h, d) | copy | ours |", "Raw log: `03_rope_bwd_H100.log`"):
+        assert part in page
+
+
 def test_errors():
     t = lambda *shape: torch.randn(*shape, device=DEVICE)  # noqa: E731
     f = lambda *shape: torch.randn(*shape, device=DEVICE)  # noqa: E731

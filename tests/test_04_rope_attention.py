@@ -145,10 +145,11 @@ def test_int64_offsets(monkeypatch):
     s = 100 if ON_GPU else 33
     qkv, q, k, v = make(2, s, 4, 2, 64, packed=True)
     freqs = attn.rope_freqs(s, 64, interleaved=True, device=DEVICE)
-    dims = attn._dims(q, k, 64)
-    assert not attn._constexprs(dims, True, True, None, q, k, v)["WIDE"]
+    def wide():  # the forward's launch plan: (grid, scalars, constexprs)
+        return attn._plan("fwd", attn._dims(q, k, 64), 0.125, True, True, None, (q, v, v), (q, k, v))[2]["WIDE"]
+    assert not wide()
     monkeypatch.setattr(attn, "INT32_LIMIT", (s - 1) * q.stride(1))  # q's last row now reaches the limit
-    assert attn._constexprs(dims, True, True, None, q, k, v)["WIDE"]
+    assert wide()
     check(q, k, v, freqs, leaves=(qkv,), causal=True, attention_mask=padding_mask(2, s), interleaved=True)
 
 
