@@ -659,7 +659,7 @@ def _attention(qkv, q, k, v, freqs, causal, attention_mask, sm_scale, interleave
     check() if tracing else _once(_checked, _signature(q, k, v, freqs, attention_mask, sm_scale), check)
     if freqs.requires_grad and torch.is_grad_enabled():
         raise ValueError("freqs requires grad, but no gradient flows to the angle table; pass freqs.detach()")
-    key_mask = attention_mask.to(torch.int8).contiguous() if attention_mask is not None else None
+    key_mask = attention_mask.contiguous() if attention_mask is not None else None  # read as is: no conversion op
     sm_scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     save_rotated = torch.is_grad_enabled() and any(x.requires_grad for x in qkv)  # else rq is not written
     args = (freqs, key_mask, sm_scale, causal, interleaved)

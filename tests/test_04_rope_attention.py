@@ -187,6 +187,18 @@ def test_rows_that_see_no_key_are_zero():
     assert (grads[0][1] == 0).all()  # nothing flows through a sequence with no visible key
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64])
+def test_any_nonzero_mask_value_is_a_token(dtype):
+    """The kernels read the mask in its own dtype: a value such as 256 is a token, as in the bool mask (a cast to
+    int8 would wrap it to 0), forward and backward."""
+    _, q, k, v = make(2, 24, 2, 2, 32)
+    freqs, mask = attn.rope_freqs(24, 32, device=DEVICE), padding_mask(2, 24, fully_padded=False)
+    values = mask.to(dtype) * (256 if dtype.itemsize > 1 else 3)
+    outs = [(o, *torch.autograd.grad(o.float().square().sum(), (q, k, v))) for o in (
+        attn.rope_attention(q, k, v, freqs, attention_mask=m) for m in (mask, values))]
+    assert all(a.equal(b) for a, b in zip(*outs))
+
+
 def test_same_loss_and_gradients_as_rope03_then_sdpa():
     rope03 = load("03_rope_bwd.py")
     torch.manual_seed(0)
