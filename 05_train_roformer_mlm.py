@@ -493,10 +493,48 @@ def matmul_tflops(device):
     return 2 * 8192**3 / triton.testing.do_bench(lambda: a @ b, return_mode="median") / 1e9
 
 
+class AllReduceGradients:
+    """DDP's gradient all-reduce, without its copies. DDP copies each gradient into a flat bucket, and a bucket is
+    all-reduced once full; a replay hands out gradients in the graph's own buffers, so under CUDA graphs every step
+    pays a copy of each (results/05_ddp_H200x2.md). Here a bucket's gradients are all-reduced where they lie, as
+    one coalesced call, launched (in bucket order: every rank issues the same calls) when the bucket's last gradient
+    of the last micro-batch has accumulated: the head's during the encoder's backward. The loss is divided by the
+    number of ranks, so that the all-reduce's sum is the mean."""
+    def __init__(self, model, bucket_bytes=25 * 2**20):
+        params, self.buckets, self.works, self.last = [p for p in model.parameters() if p.requires_grad], [[]], [], False
+        for p in reversed(params):  # the backward's order, roughly: the head's gradients come first
+            self.buckets[-1].append(p)
+            self.buckets += [[]] if sum(q.nbytes for q in self.buckets[-1]) >= bucket_bytes else []
+        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        for p in params:
+            torch.distributed.broadcast(p.detach(), 0)  # rank 0's weights on every rank, as DDP starts
+            p.register_post_accumulate_grad_hook(self.ready)
+
+    def ready(self, param):
+        if self.last:
+            self.pending[self.bucket_of[param]] -= 1
+            while len(self.works) < len(self.buckets) and self.pending[len(self.works)] == 0:
+                self.launch()
+
+    def launch(self):  # one NCCL group: a kernel for the bucket, not one per gradient
+        with torch.distributed._coalescing_manager(async_ops=True) as coalesced:
+            for p in self.buckets[len(self.works)]:
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # every rank sends every gradient
+                torch.distributed.all_reduce(p.grad)
+        self.works.append(coalesced)
+
+    def __call__(self, last):  # before each micro-batch's backward (last: its gradients are all-reduced), then None
+        if last is None:
+            while len(self.works) < len(self.buckets):  # gradients that did not come (unused parameters)
+                self.launch()
+            [work.wait() for work in self.works]  # the step's stream waits for the all-reduce, not the host
+        self.last, self.pending, self.works = bool(last), [len(b) for b in self.buckets], []
+
+
 def prepare(model, args, ddp, device, compiled, graphs_shape=None):
-    """The model ready to step (its encoder captured at graphs_shape = (batch, seq_len), then DDP's wrapper,
-    then torch.compile of the whole, as nanoGPT does; aot_eager on the CPU, where Triton's interpreter runs
-    the kernels; 03's and 04's ops stay opaque), and AdamW without decay on biases and norms (1-d)."""
+    """The model ready to step (its encoder captured at graphs_shape = (batch, seq_len), then torch.compile of the
+    whole, as nanoGPT does; aot_eager on the CPU, where Triton's interpreter runs the kernels; 03's and 04's ops
+    stay opaque), AdamW without decay on biases and norms (1-d), and under torchrun the gradients' all-reduce."""
     cuda, params = device.type == "cuda", list(model.parameters())
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)  # the peak counts the capture (replays allocate nothing)
@@ -504,23 +542,22 @@ def prepare(model, args, ddp, device, compiled, graphs_shape=None):
                                    {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=args.weight_decay, fused=cuda)
     capture_cuda_graphs(model, *graphs_shape, compiled=compiled) if graphs_shape else None
-    if ddp:  # gradient_as_bucket_view: no copy of the gradients into DDP's buckets; the one buffer (RoPE's
-        model = nn.parallel.DistributedDataParallel(  # angles) is the same on every rank: none broadcast a step
-            model, device_ids=[device] if cuda else None, gradient_as_bucket_view=True, broadcast_buffers=False)
-        torch._dynamo.config.optimize_ddp = False  # one graph, not split at the buckets: faster (results/05_ddp_split.log)
-    return torch.compile(model, backend="inductor" if cuda else "aot_eager") if compiled else model, optimizer
+    all_reduce = AllReduceGradients(model) if ddp else None
+    model = torch.compile(model, backend="inductor" if cuda else "aot_eager") if compiled else model
+    return model, optimizer, all_reduce
 
 
-def train_step(model, optimizer, micro_batches, args, ddp):
+def train_step(model, optimizer, all_reduce, micro_batches, args):
     """One optimizer step over the micro-batches; their mean loss and masked accuracy, left on the device."""
-    n, loss_sum, acc_sum = len(micro_batches), 0.0, 0.0
+    n, world, loss_sum, acc_sum = len(micro_batches), all_reduce and torch.distributed.get_world_size() or 1, 0.0, 0.0
     for i, batch in enumerate(micro_batches):
-        with model.no_sync() if ddp and i < n - 1 else contextlib.nullcontext():  # DDP all-reduces on the last
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["input_ids"].is_cuda):
-                out = model(**batch)
-            loss, acc = (out.loss, 0.0) if hasattr(out, "loss") else out  # Hugging Face's model: an output object
-            (loss / n).backward()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["input_ids"].is_cuda):
+            out = model(**batch)
+        loss, acc = (out.loss, 0.0) if hasattr(out, "loss") else out  # Hugging Face's model: an output object
+        all_reduce(i == n - 1) if all_reduce else None
+        (loss / (n * world)).backward()
         loss_sum, acc_sum = loss_sum + loss.detach() / n, acc_sum + acc / n
+    all_reduce(None) if all_reduce else None
     torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=not (args.cuda_graphs and n > 1))  # capture_cuda_graphs' trap
@@ -533,12 +570,12 @@ def train(args, ddp, rank, world, device):
     torch.manual_seed(args.seed + rank)
     model = load_hf_checkpoint(args.init_from, args.attn, cfg) if args.init_from else RoFormerForMaskedLM(cfg, args.attn)
     n_params, matmul_rate = sum(p.numel() for p in model.parameters()), matmul_tflops(device) if cuda else 1
-    # `model` itself is saved and evaluated: no DDP "module." or compiled "_orig_mod." prefix
-    stepped, optimizer = prepare(model.to(device), args, ddp, device, args.compile,
+    # `model` itself is saved and evaluated: no compiled "_orig_mod." prefix
+    stepped, optimizer, all_reduce = prepare(model.to(device), args, ddp, device, args.compile,
                                  (args.batch_size, args.seq_len) if args.cuda_graphs else None)
     ckpt_path, step, seen, history = os.path.join(args.out, "ckpt.pt"), 0, [0] * world, []
     if ckpt:
-        model.load_state_dict(ckpt["model"])  # copied in place, where the graphs and DDP read the weights
+        model.load_state_dict(ckpt["model"])  # copied in place, where the graphs read the weights
         optimizer.load_state_dict(ckpt["optimizer"])
         step, seen, history, rng = ckpt["step"], ckpt["seen"], ckpt["history"], ckpt["rng"][rank]
         torch.set_rng_state(rng["torch"])
@@ -576,7 +613,7 @@ def train(args, ddp, rank, world, device):
         micro_batches = [device_batch(*next(train_batches), args, torch.Generator().manual_seed(
             args.seed * 1_000_003 + (step * args.grad_accum + i) * world + rank), device) for i in range(args.grad_accum)]
         seen = [n + args.batch_size * args.grad_accum for n in seen]  # as many on every rank: no need to ask them
-        loss, acc = train_step(stepped, optimizer, micro_batches, args, ddp)
+        loss, acc = train_step(stepped, optimizer, all_reduce, micro_batches, args)
         step, timed_steps = step + 1, timed_steps + 1
         timed_apart = step == first_step + 1  # the first step (traced and compiled), logs, evaluations, saves
         if logged := step % args.log_interval == 0 or step == args.max_steps:  # the step's loss: mean over ranks
@@ -651,7 +688,7 @@ def bench(args, ddp, rank, world, device):
             model = (transformers.RoFormerForMaskedLM(transformers.RoFormerConfig(**hf_cfg)) if hf
                      else RoFormerForMaskedLM(cfg, path.split("+")[0])).to(device)
             step = (*prepare(model, args, ddp, device, "+compile" in path, (batch, seq) if "+graphs" in path else None),
-                    [dict(input_ids=ours["input_ids"], labels=ours["labels"]) if hf else ours], args, ddp)
+                    [dict(input_ids=ours["input_ids"], labels=ours["labels"]) if hf else ours], args)
             for n in (3, args.bench_steps):  # built, compiled (in the first round) and warmed up; then timed
                 for _ in range(n):
                     train_step(*step)
