@@ -214,35 +214,53 @@ class RoFormerEncoder(nn.Module):
         self.register_buffer("freqs", rope_bwd.rope_freqs(  # RoFormer's angles: base 10000, interleaved pairs
             cfg.max_position_embeddings, cfg.hidden_size // cfg.num_attention_heads, 1e4, True), persistent=False)
 
-    def forward(self, x, mask=None):
-        for layer in self.layer:
+    def forward(self, x, mask=None, layers=None):
+        for layer in self.layer if layers is None else layers:
             x = layer.attention.output(layer.attention.self(x, self.freqs, mask), x)
             x = layer.output(F.gelu(layer.intermediate.dense(x)), x)
         return x
 
 
-def capture_cuda_graphs(model, batch_size, seq_len, compiled=False):
-    """The encoder's forward and backward as two CUDA graphs (compiled first if compiled): each eager op
-    costs the host microseconds, 03's and 04's kernels more, where a replay issues hundreds in one call.
-    Other shapes, padding and evaluation run the layers; the embeddings and the head run around the replay."""
-    shape, rng = (batch_size, seq_len, model.cfg.hidden_size), torch.cuda.get_rng_state()
-    sample = torch.zeros(shape, device=model.roformer.encoder.freqs.device, dtype=torch.bfloat16, requires_grad=True)
+class EncoderPart(nn.Module):
+    """A run of the encoder's layers as a module that holds their parameters only: what a pair of graphs captures."""
+
+    def __init__(self, encoder, layers, compiled):
+        super().__init__()  # compiled as one graph, so that Inductor fuses across the layers' seams too
+        self.layers, self.run = layers, torch.compile(encoder.forward) if compiled else encoder.forward
+
+    def forward(self, x):
+        return self.run(x, None, self.layers)
+
+
+def capture_cuda_graphs(model, batch_size, seq_len, compiled=False, parts=1):
+    """The encoder's forward and backward as two CUDA graphs per part (parts: runs of layers, compiled first if
+    compiled): each eager op costs the host microseconds, 03's and 04's kernels more, where a replay issues hundreds
+    in one call. Other shapes, padding and evaluation run the layers; the embeddings and the head run around the
+    replays. Under torchrun, four parts: a part's gradients are all-reduced while the parts before it run backward."""
+    shape, rng, encoder = (batch_size, seq_len, model.cfg.hidden_size), torch.cuda.get_rng_state(), model.roformer.encoder
+    samples = tuple((torch.zeros(shape, device=encoder.freqs.device, dtype=torch.bfloat16, requires_grad=True),)
+                    for _ in range(parts))  # each graph reads its own input buffer
     # The warm-up makes AccumulateGrad nodes on a side stream, which PyTorch warns of; the gradients are right.
     if hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
         torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
     gc.collect()  # a graph freed during another's capture breaks it: collect now, and not during the capture
     gc.disable()
-    try:
-        # Compiled as one graph, so that Inductor fuses across the layers' seams too. The graphs take over the
-        # forward of the module they are given: a plain module around the encoder, which keeps its own.
-        encoder = nn.Sequential(torch.compile(model.roformer.encoder) if compiled else model.roformer.encoder)
+    try:  # the graphs take over the forward of the modules they are given: parts, which the model does not hold
+        n = len(encoder.layer)
+        modules = tuple(EncoderPart(encoder, encoder.layer[i * n // parts:(i + 1) * n // parts], compiled)
+                      for i in range(parts))
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):  # graphs need the cache off
-            replay = torch.cuda.make_graphed_callables(encoder, (sample,))
+            replays = torch.cuda.make_graphed_callables(modules, samples)
     finally:
         gc.enable()
     torch.cuda.set_rng_state(rng)  # the warm-up drew dropout masks; a resumed run must not depend on that
+
+    def replay(x):
+        for part in replays:
+            x = part(x)
+        return x
     # A tuple, no submodule: the state dict is unchanged. torch.compile of the model breaks at the replay.
-    model.graphed = (torch._dynamo.disable(replay.forward), shape)
+    model.graphed = (torch._dynamo.disable(replay), shape)
     # The trap: a replay hands out weight gradients in the graph's own buffers, which the next replay overwrites;
     # a parameter without a .grad adopts such a buffer, so with accumulation the second micro-batch would overwrite
     # the first's (tests/test_05 catches it). Every .grad starts allocated; an accumulating loop zeroes it in place.
@@ -494,40 +512,41 @@ def matmul_tflops(device):
 
 
 class AllReduceGradients:
-    """DDP's gradient all-reduce, without its copies. DDP copies each gradient into a flat bucket, and a bucket is
-    all-reduced once full; a replay hands out gradients in the graph's own buffers, so under CUDA graphs every step
-    pays a copy of each (results/05_ddp_H200x2.md). Here a bucket's gradients are all-reduced where they lie, as
-    one coalesced call, launched (in bucket order: every rank issues the same calls) when the bucket's last gradient
-    of the last micro-batch has accumulated: the head's during the encoder's backward. The loss is divided by the
-    number of ranks, so that the all-reduce's sum is the mean."""
-    def __init__(self, model, bucket_bytes=25 * 2**20):
-        params, self.buckets, self.works, self.last = [p for p in model.parameters() if p.requires_grad], [[]], [], False
+    """DDP's all-reduce of the gradients, without its copies. DDP copies each gradient into a flat bucket; a replay
+    hands out gradients in the graph's own buffers, so under CUDA graphs it copies every one, every step. Here they
+    are all-reduced where they lie, in buckets of 50 MB in the backward's order, each bucket one NCCL group, launched
+    when its last gradient of the step has accumulated: the head's during the encoder's backward, a graphed part's
+    during the next part's (results/05_ddp_H200x2.md). Each rank's loss is divided by the number of ranks: the
+    all-reduce's sum is then the mean, with no pass to divide."""
+
+    def __init__(self, model, bucket_bytes=50 * 2**20):
+        params, self.buckets, self.works, self.last = [p for p in model.parameters() if p.requires_grad], [], [], False
         for p in reversed(params):  # the backward's order, roughly: the head's gradients come first
+            if not self.buckets or sum(q.nbytes for q in self.buckets[-1]) >= bucket_bytes:
+                self.buckets.append([])
             self.buckets[-1].append(p)
-            self.buckets += [[]] if sum(q.nbytes for q in self.buckets[-1]) >= bucket_bytes else []
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         for p in params:
-            torch.distributed.broadcast(p.detach(), 0)  # rank 0's weights on every rank, as DDP starts
+            torch.distributed.broadcast(p.detach(), 0)  # every rank starts from rank 0's weights, as under DDP
             p.register_post_accumulate_grad_hook(self.ready)
 
-    def ready(self, param):
-        if self.last:
+    def ready(self, param=None):  # launch the buckets that are complete, in order: every rank makes the same calls
+        if self.last and param is not None:
             self.pending[self.bucket_of[param]] -= 1
-            while len(self.works) < len(self.buckets) and self.pending[len(self.works)] == 0:
-                self.launch()
+        while self.last and len(self.works) < len(self.buckets) and self.pending[len(self.works)] == 0:
+            with torch.distributed._coalescing_manager(async_ops=True) as group:  # one kernel for the bucket
+                for p in self.buckets[len(self.works)]:
+                    torch.distributed.all_reduce(p.grad)
+            self.works.append(group)
 
-    def launch(self):  # one NCCL group: a kernel for the bucket, not one per gradient
-        with torch.distributed._coalescing_manager(async_ops=True) as coalesced:
-            for p in self.buckets[len(self.works)]:
-                p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # every rank sends every gradient
-                torch.distributed.all_reduce(p.grad)
-        self.works.append(coalesced)
-
-    def __call__(self, last):  # before each micro-batch's backward (last: its gradients are all-reduced), then None
-        if last is None:
-            while len(self.works) < len(self.buckets):  # gradients that did not come (unused parameters)
-                self.launch()
-            [work.wait() for work in self.works]  # the step's stream waits for the all-reduce, not the host
+    def __call__(self, last):  # before each micro-batch's backward (last: the step's last one), and None after it
+        if last is None:  # parameters whose gradient never came (unused) send zeros, so that every bucket goes
+            for p in (p for bucket in self.buckets for p in bucket if p.grad is None):
+                p.grad = torch.zeros_like(p)
+            self.pending = [0] * len(self.buckets)
+            self.ready()
+            for work in self.works:
+                work.wait()  # the GPU stream waits for the all-reduce, not the host
         self.last, self.pending, self.works = bool(last), [len(b) for b in self.buckets], []
 
 
@@ -541,7 +560,7 @@ def prepare(model, args, ddp, device, compiled, graphs_shape=None):
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
                                    {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=args.weight_decay, fused=cuda)
-    capture_cuda_graphs(model, *graphs_shape, compiled=compiled) if graphs_shape else None
+    capture_cuda_graphs(model, *graphs_shape, compiled, 4 if ddp else 1) if graphs_shape else None
     all_reduce = AllReduceGradients(model) if ddp else None
     model = torch.compile(model, backend="inductor" if cuda else "aot_eager") if compiled else model
     return model, optimizer, all_reduce
