@@ -4,13 +4,12 @@ Pretraining a RoFormer masked language model on the collection's kernels
 
 In this tutorial, you will learn about:
 
-* a faithful RoFormer (Hugging Face's ``RoFormerForMaskedLM``, whose checkpoints load with ``--init-from``):
-  post-LN layers with RoPE on q and k (interleaved pairs), an MLM head tied to the word embeddings;
-* ``--attn``, which changes nothing but RoPE and attention: ``torch`` (as Hugging Face writes them),
+* a faithful RoFormer (Hugging Face's ``RoFormerForMaskedLM``, whose checkpoints load with ``--init-from``): post-LN
+  layers with RoPE on q and k (interleaved pairs), an MLM head tied to the word embeddings, BERT masking;
+* ``--attn``, which changes nothing but RoPE and attention: ``torch`` (PyTorch's RoPE reference + SDPA),
   ``naive`` (01's RoPE + SDPA), ``triton`` (03's RoPE + SDPA; 02's kernel at evaluation), ``fused`` (04);
-* BERT masking (15%: 80% [MASK], 10% random, 10% unchanged), the MLM head run on those positions only;
-* a nanoGPT-style loop: AdamW without decay on biases and norms, warmup then linear decay, gradient
-  accumulation and clipping, bf16 autocast, durable checkpoints, an exact ``--resume``, DDP under torchrun;
+* a nanoGPT-style loop: AdamW without decay on biases and norms, warmup then linear decay, gradient accumulation and
+  clipping, bf16 autocast, durable checkpoints, an exact ``--resume``, torchrun's ranks (and DDP's copies avoided);
 * ``--compile`` and ``--cuda-graphs`` (both on with a GPU): Inductor fuses all between the matmuls and our kernels,
   and two CUDA graphs replay the encoder so that Python no longer paces the GPU (and their trap for accumulation).
 
@@ -19,8 +18,8 @@ Run ``python 05_train_roformer_mlm.py`` (a small model on the standard library's
 
 import argparse
 import array
-import contextlib
 import dataclasses
+import functools
 import gc
 import importlib.util
 import itertools
@@ -99,7 +98,7 @@ def parse_args(argv=None):
     paths = [m + mode for m in ATTN_PATHS + ("hf",) for mode in ("", "+compile", "+graphs", "+compile+graphs")
              if (on_gpu and m != "hf") or "graphs" not in mode]  # --bench: each path eager, compiled, graphed and both
     d, unknown = cfg.hidden_size // cfg.num_attention_heads, {*(args.bench_paths or "").split(",")} - {"", *paths}
-    for bad, why in (
+    if why := next((why for bad, why in (
             (args.cuda_graphs and not on_gpu, "--cuda-graphs needs a GPU (CUDA graphs); this machine has none"),
             (args.data and not os.path.isfile(args.data), f"--data {args.data}: no such file"),
             (binary > 0.1, f"--data {args.data}: {binary:.0%} of its first MiB is NUL or not UTF-8 (binary?)"),
@@ -108,9 +107,8 @@ def parse_args(argv=None):
             (not args.bench and args.seq_len > cfg.max_position_embeddings,  # --bench makes its own model
              f"--seq-len {args.seq_len} is over the model's {cfg.max_position_embeddings} positions"),
             (cfg.vocab_size < VOCAB, f"--init-from: a vocabulary of {cfg.vocab_size}, under 05's {VOCAB} tokens"),
-            (unknown, f"--bench-paths: {', '.join(sorted(unknown))} not among {', '.join(paths)}")):
-        if bad:
-            sys.exit(why)
+            (unknown, f"--bench-paths: {', '.join(sorted(unknown))} not among {', '.join(paths)}")) if bad), None):
+        sys.exit(why)
     args.bench_paths = [p for p in paths if not args.bench_paths or p in args.bench_paths.split(",")]
     args.compile, args.cuda_graphs = (on_gpu if v is None else v for v in (args.compile, args.cuda_graphs))
     if not args.bench:
@@ -130,9 +128,8 @@ def parse_args(argv=None):
 # %%
 # The model
 # ---------
-# Hugging Face's module and parameter names, so that its checkpoints load as they are. All but attention
-# is plain PyTorch, whose dropouts, GELUs, residual adds, LayerNorms, casts and loss Inductor (--compile)
-# fuses into a few kernels between the matmuls (a profiled step: results/05_train_roformer_mlm_H100.md).
+# Hugging Face's module and parameter names, so that its checkpoints load as they are. All but attention is plain
+# PyTorch, which Inductor (--compile) fuses into few kernels between matmuls (results/05_train_roformer_mlm_H100.md).
 
 
 @dataclasses.dataclass
@@ -164,20 +161,15 @@ class RoFormerSelfAttention(nn.Module):
         weight, bias = (torch.cat(t) for t in zip(*((m.weight, m.bias) for m in (self.query, self.key, self.value))))
         qkv = F.linear(x, weight, bias).view(b, s, 3, self.heads, hidden // self.heads)
         if self.attn == "fused":
-            # 04 rotates q and k inside attention and writes the gradients of q, k and v as one tensor, where
-            # the triton path runs 03's kernels both ways and stacks SDPA's three gradients (a copy). That
-            # outweighs the lead of SDPA's cuDNN kernels over 04's (results/05_train_roformer_mlm_H100.md).
+            # 04 rotates q and k inside attention and writes dq, dk, dv as one tensor; the triton path runs 03 both ways
+            # and stacks SDPA's three (a copy), which outweighs cuDNN's lead (results/05_train_roformer_mlm_H100.md).
             dtype = qkv.dtype if qkv.dtype in (torch.float16, torch.bfloat16) else torch.float16
             out = fused.rope_attention_qkvpacked(qkv.to(dtype), freqs, attention_mask=mask, interleaved=True)
             return out.to(qkv.dtype).reshape(b, s, hidden)
         q, k, v = qkv.unbind(2)
-        if self.attn == "torch":
+        if self.attn == "torch":  # PyTorch alone: 03's reference RoPE (Hugging Face's model is the bench's "hf")
             q, k = (rope_bwd.rope_reference(t, freqs, "bshd", interleaved=True, compute_dtype=None) for t in (q, k))
-            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
-            if mask is not None:
-                scores = scores.masked_fill(~mask.bool()[:, None, None, :], torch.finfo(scores.dtype).min)
-            return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(b, s, hidden)
-        if self.attn == "naive":  # 01: three passes over memory
+        elif self.attn == "naive":  # 01: three passes over memory
             q, k = (naive_rope.apply_rope_naive(t, freqs, "bshd", interleaved=True) for t in (q, k))
         elif torch.is_grad_enabled():  # 03: one kernel each way, differentiable
             q, k = rope_bwd.apply_rotary_pos_emb_qk(q, k, freqs, "bshd", interleaved=True)
@@ -189,9 +181,8 @@ class RoFormerSelfAttention(nn.Module):
 
 
 class AddNorm(nn.Module):
-    """dense -> dropout -> add the residual -> LayerNorm (RoFormer's post-LN "output" blocks). The
-    residual stream keeps its dtype, bf16 under autocast, as in Megatron-LM: compiled, the cast rides on
-    LayerNorm's kernel (whose output is float32), which writes half the bytes for the next matmul."""
+    """dense -> dropout -> add the residual -> LayerNorm (post-LN). The residual stream stays bf16 under autocast, as
+    in Megatron-LM: compiled, the cast rides on LayerNorm's kernel, which writes half the bytes for the next matmul."""
 
     def __init__(self, d_in, cfg):
         super().__init__()
@@ -214,56 +205,34 @@ class RoFormerEncoder(nn.Module):
         self.register_buffer("freqs", rope_bwd.rope_freqs(  # RoFormer's angles: base 10000, interleaved pairs
             cfg.max_position_embeddings, cfg.hidden_size // cfg.num_attention_heads, 1e4, True), persistent=False)
 
-    def forward(self, x, mask=None, layers=None):
-        for layer in self.layer if layers is None else layers:
+    def forward(self, x, mask=None):
+        for layer in self.layer:
             x = layer.attention.output(layer.attention.self(x, self.freqs, mask), x)
             x = layer.output(F.gelu(layer.intermediate.dense(x)), x)
         return x
 
 
-class EncoderPart(nn.Module):
-    """A run of the encoder's layers as a module that holds their parameters only: what a pair of graphs captures."""
-
-    def __init__(self, encoder, layers, compiled):
-        super().__init__()  # compiled as one graph, so that Inductor fuses across the layers' seams too
-        self.layers, self.run = layers, torch.compile(encoder.forward) if compiled else encoder.forward
-
-    def forward(self, x):
-        return self.run(x, None, self.layers)
-
-
-def capture_cuda_graphs(model, batch_size, seq_len, compiled=False, parts=1):
-    """The encoder's forward and backward as two CUDA graphs per part (parts: runs of layers, compiled first if
-    compiled): each eager op costs the host microseconds, 03's and 04's kernels more, where a replay issues hundreds
-    in one call. Other shapes, padding and evaluation run the layers; the embeddings and the head run around the
-    replays. Under torchrun, four parts: a part's gradients are all-reduced while the parts before it run backward."""
-    shape, rng, encoder = (batch_size, seq_len, model.cfg.hidden_size), torch.cuda.get_rng_state(), model.roformer.encoder
-    samples = tuple((torch.zeros(shape, device=encoder.freqs.device, dtype=torch.bfloat16, requires_grad=True),)
-                    for _ in range(parts))  # each graph reads its own input buffer
-    # The warm-up makes AccumulateGrad nodes on a side stream, which PyTorch warns of; the gradients are right.
-    if hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
+def capture_cuda_graphs(model, batch_size, seq_len, compiled=False):
+    """The encoder's forward and backward as two CUDA graphs (compiled first if compiled): a replay issues hundreds of
+    kernels in one call, where each eager op costs the host microseconds. Other shapes, padding, evaluation: eager."""
+    shape, rng = (batch_size, seq_len, model.cfg.hidden_size), torch.cuda.get_rng_state()
+    sample = torch.zeros(shape, device=model.roformer.encoder.freqs.device, dtype=torch.bfloat16, requires_grad=True)
+    if hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):  # the warm-up's: a false alarm
         torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
     gc.collect()  # a graph freed during another's capture breaks it: collect now, and not during the capture
     gc.disable()
-    try:  # the graphs take over the forward of the modules they are given: parts, which the model does not hold
-        n = len(encoder.layer)
-        modules = tuple(EncoderPart(encoder, encoder.layer[i * n // parts:(i + 1) * n // parts], compiled)
-                      for i in range(parts))
+    try:
+        # one compiled graph (Inductor fuses across the seams) in a plain module, whose forward the graphs take over
+        encoder = nn.Sequential(torch.compile(model.roformer.encoder) if compiled else model.roformer.encoder)
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):  # graphs need the cache off
-            replays = torch.cuda.make_graphed_callables(modules, samples)
+            replay = torch.cuda.make_graphed_callables(encoder, (sample,))
     finally:
         gc.enable()
     torch.cuda.set_rng_state(rng)  # the warm-up drew dropout masks; a resumed run must not depend on that
-
-    def replay(x):
-        for part in replays:
-            x = part(x)
-        return x
     # A tuple, no submodule: the state dict is unchanged. torch.compile of the model breaks at the replay.
-    model.graphed = (torch._dynamo.disable(replay), shape)
-    # The trap: a replay hands out weight gradients in the graph's own buffers, which the next replay overwrites;
-    # a parameter without a .grad adopts such a buffer, so with accumulation the second micro-batch would overwrite
-    # the first's (tests/test_05 catches it). Every .grad starts allocated; an accumulating loop zeroes it in place.
+    model.graphed = (torch._dynamo.disable(replay.forward), shape)
+    # The trap: a replay hands out weight gradients in its own buffers, which the next one overwrites; a parameter with
+    # no .grad adopts one, and a 2nd micro-batch would overwrite the 1st's (tests/test_05): each .grad starts allocated.
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
 
@@ -288,18 +257,15 @@ class RoFormerForMaskedLM(nn.Module):
         p.decoder = nn.Linear(emb, cfg.vocab_size)
         p.decoder.weight = e.word_embeddings.weight  # tied
         for m in self.modules():  # BERT's init: normal(0, 0.02), zero biases, unit LayerNorm
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=0.02)
-            if isinstance(m, nn.Linear):
-                nn.init.zeros_(m.bias)
+            nn.init.normal_(m.weight, std=0.02) if isinstance(m, (nn.Linear, nn.Embedding)) else None
+            nn.init.zeros_(m.bias) if isinstance(m, nn.Linear) else None
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None, positions=None):
         """Logits [b, s, vocab]; with labels (-100: not masked), (loss, accuracy) of the masked positions
         (positions: masked_positions(labels), if the caller has them). attention_mask: [b, s] or None."""
         e = self.roformer.embeddings
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
-        # BERT's token types as a sum of rows: their gradient is then a column sum, not an embedding
-        # backward's atomic adds of every token onto the same row.
+        # token types as a sum of rows: a column sum in the backward, not atomic adds of every token onto one row
         x = e.word_embeddings(input_ids) + sum(torch.where((types == t)[..., None], row, 0.0)
                                                for t, row in enumerate(e.token_type_embeddings.weight))
         x = self.roformer.embeddings_project(e.dropout(e.LayerNorm(x)))
@@ -313,9 +279,8 @@ class RoFormerForMaskedLM(nn.Module):
             x, labels = x.flatten(0, 1)[positions], labels.flatten()[positions]
         p = self.cls.predictions
         h = p.transform.LayerNorm(F.gelu(p.transform.dense(x)))
-        # The decoder's rows padded to a multiple of 64, as nanoGPT pads GPT-2's vocabulary: a bf16 row of
-        # 30522 logits is not 16-byte aligned, and cuBLAS then runs the head's matmuls without Hopper's TMA
-        # loads (results/05_ab.log, M). Compiled, the padding rides on the weight's cast.
+        # The decoder's rows padded to a multiple of 64, as nanoGPT pads GPT-2's: a bf16 row of 30522 logits is not
+        # 16-byte aligned, and cuBLAS then runs without TMA (results/05_ab.log, M); compiled, the pad rides on the cast.
         pad = -p.decoder.weight.shape[0] % 64
         logits = F.linear(h, F.pad(p.decoder.weight, (0, 0, 0, pad)), F.pad(p.decoder.bias, (0, pad)))
         logits = logits[..., :logits.shape[-1] - pad]
@@ -331,14 +296,13 @@ def hf_config(path):
             hf = json.load(f)
     except (OSError, ValueError) as e:  # no folder, no file, no JSON
         sys.exit(f"--init-from {path}: " + ("no such folder" if not os.path.isdir(path) else f"config.json: {e}"))
-    for bad, why in (
+    if why := next((why for bad, why in (
             (hf.get("model_type") != "roformer", f"not a RoFormer (model_type {hf.get('model_type')!r})"),
             (hf.get("rotary_value") or hf.get("is_decoder") or hf.get("hidden_act", "gelu") != "gelu",
              "only encoder RoFormers with rotary_value=False and hidden_act='gelu' are supported"),
             (not any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "pytorch_model.bin")),
-             "no model.safetensors or pytorch_model.bin")):
-        if bad:
-            sys.exit(f"--init-from {path}: {why}")
+             "no model.safetensors or pytorch_model.bin")) if bad), None):
+        sys.exit(f"--init-from {path}: {why}")
     fields = {f.name for f in dataclasses.fields(RoFormerConfig)}
     return RoFormerConfig(**{k: v for k, v in hf.items() if k in fields and v is not None})
 
@@ -359,11 +323,11 @@ def load_hf_checkpoint(path, attn, cfg=None):
 # %%
 # Data: text to packed, masked sequences
 # --------------------------------------
-# Bytes are the tokens. Documents (by default the Python standard library's source) stream in pieces,
-# joined with [SEP] and cut into [CLS] + (seq_len - 2) tokens + [SEP] from one flat int32 array
-# (slices done in C: a Python list would be copied at every cut). Sequence i is held out if i % 50 == 0; the others
-# go to the ranks a batch each in turn, masked by the batch's place, so that `world` ranks train on what one rank
-# with `world` times the accumulation would; a rank's position in its stream is what a checkpoint stores.
+# Bytes are the tokens. Documents (by default the Python standard library's source) stream in pieces, joined with
+# [SEP] and cut into [CLS] + (seq_len - 2) tokens + [SEP] from one flat int32 array (slices done in C: a Python list
+# would be copied at every cut). Sequence i is held out if i % 50 == 0; the others go to the ranks a batch each in
+# turn, masked by the batch's place, so that `world` ranks train on what one rank with `world` times the accumulation
+# would; a rank's position in its stream is what a checkpoint stores.
 
 
 def documents(path, block_bytes=1 << 20):
@@ -390,9 +354,8 @@ def sequences(data, seq_len):
 
 
 def batches(data, seq_len, batch_size, rank, world, start=0, held_out=False):
-    """Endless batches (input_ids, attention_mask) of this rank's share of the training sequences after
-    its first `start` (a resumed run's position, across epochs); held_out=True: of the held-out ones, once.
-    A batch runs on across an epoch's end, so that no sequence is dropped and `start` counts them all."""
+    """Endless batches (input_ids, attention_mask) of this rank's share of the training sequences after its first
+    `start` (across epochs; a batch runs on over an epoch's end: none dropped); held_out=True: the held-out, once."""
     ids, lengths, index = array.array("i"), [], itertools.count()  # index: of a sequence in the stream of epochs
     for _ in range(1) if held_out else itertools.count():  # held out: one pass; training: epoch after epoch
         found = 0
@@ -421,10 +384,9 @@ def masked_positions(labels):
 
 
 def device_batch(ids, mask, args, generator, device):
-    """The model's arguments for a batch (ids and attention mask [b, s]), BERT-masked, on the device: --mask-prob
-    of the real tokens but [CLS] and [SEP] are chosen, 80% of them become [MASK], 10% a random byte, 10% stay;
-    the labels are -100 elsewhere. No mask for a batch without padding (packed text pads its last sequence
-    only), as Hugging Face drops an all-ones mask for SDPA."""
+    """The model's arguments for a batch (ids, attention mask [b, s]), BERT-masked, on the device: --mask-prob of the
+    real tokens but [CLS] and [SEP] are chosen, 80% become [MASK], 10% a random byte, 10% stay; labels -100 elsewhere.
+    No mask for a batch without padding (packed text pads its last sequence), as Hugging Face drops it for SDPA."""
     chosen = (torch.rand(ids.shape, generator=generator) < args.mask_prob) & mask & (ids != CLS) & (ids != SEP)
     r = torch.rand(ids.shape, generator=generator)
     inputs = torch.where(chosen & (r >= 0.8) & (r < 0.9), torch.randint(0, 256, ids.shape, generator=generator), ids)
@@ -438,10 +400,9 @@ def device_batch(ids, mask, args, generator, device):
 # %%
 # Training
 # --------
-# Checkpoints: a temporary file, fsynced, then ckpt.pt renamed to ckpt-prev.pt and the new one to ckpt.pt, and
-# the folder fsynced: a kill at any point leaves ckpt.pt or ckpt-prev.pt whole. Loading: torch.load(
-# weights_only=True) refuses any object but tensors, numbers, strings and containers, so a checkpoint from
-# elsewhere runs no code; a readable ckpt-prev.pt stands in for a broken ckpt.pt, with a warning.
+# Checkpoints: a temporary file, fsynced, then ckpt.pt renamed to ckpt-prev.pt and the new one to ckpt.pt, and the
+# folder fsynced: a kill at any point leaves ckpt.pt or ckpt-prev.pt whole. torch.load(weights_only=True) refuses
+# all but tensors, numbers, strings and containers: a checkpoint from elsewhere runs no code.
 
 
 def save_atomic(obj, path, rotate=True):
@@ -456,8 +417,7 @@ def save_atomic(obj, path, rotate=True):
         if isinstance(e, OSError) or "unexpected pos" in str(e):  # how torch's zip writer reports a failed write
             sys.exit(f"--out: {path} not written ({getattr(e, 'strerror', 0) or 'disk full?'}); the earlier ones kept")
         raise
-    if rotate and os.path.exists(path):
-        os.replace(path, path[:-3] + "-prev.pt")
+    os.replace(path, path[:-3] + "-prev.pt") if rotate and os.path.exists(path) else None
     os.replace(path + ".tmp", path)
     if hasattr(os, "O_DIRECTORY"):  # POSIX: the renames made durable too
         fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
@@ -466,8 +426,7 @@ def save_atomic(obj, path, rotate=True):
 
 
 def read_checkpoint(args, config):
-    """--out's ckpt.pt (or ckpt-prev.pt for a broken one), whose model, ranks and data settings must be the run's
-    (its position in the data means nothing otherwise); others may change, with a note. A problem: one line."""
+    """--out's ckpt.pt (ckpt-prev.pt if broken), whose model, ranks and data must be the run's; others may change."""
     def read(p):
         try:
             ckpt = torch.load(p, map_location="cpu", weights_only=True)
@@ -504,71 +463,59 @@ def flops_per_token(n_params, cfg, seq_len):  # 6 a parameter, plus attention's 
     return 6 * n_params + 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
 
 
-def matmul_tflops(device):
-    """The yardstick, measured in this run: a bf16 8192^3 matmul's TF/s."""
+def matmul_tflops(device):  # the yardstick, measured in this run: a bf16 8192^3 matmul's TF/s
     gen = torch.Generator(device).manual_seed(0)  # its own: the run's RNG stream (dropout) stays untouched
     a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(2))
     return 2 * 8192**3 / triton.testing.do_bench(lambda: a @ b, return_mode="median") / 1e9
 
 
 class AllReduceGradients:
-    """DDP's all-reduce of the gradients, without its copies. DDP copies each gradient into a flat bucket; a replay
-    hands out gradients in the graph's own buffers, so under CUDA graphs it copies every one, every step. Here they
-    are all-reduced where they lie, in buckets of 50 MB in the backward's order, each bucket one NCCL group, launched
-    when its last gradient of the step has accumulated: the head's during the encoder's backward, a graphed part's
-    during the next part's (results/05_ddp_H200x2.md). Each rank's loss is divided by the number of ranks: the
-    all-reduce's sum is then the mean, with no pass to divide."""
+    """DDP's all-reduce without its copies into flat buckets (under CUDA graphs, every gradient at every step): 50 MB
+    buckets in the backward's order, all-reduced where the gradients lie as one NCCL group each, once the last micro-
+    batch's are in (results/05_ddp_H200x2.md). The loss is divided by the ranks' number: the sum is the mean."""
 
     def __init__(self, model, bucket_bytes=50 * 2**20):
-        params, self.buckets, self.works, self.last = [p for p in model.parameters() if p.requires_grad], [], [], False
-        for p in reversed(params):  # the backward's order, roughly: the head's gradients come first
-            if not self.buckets or sum(q.nbytes for q in self.buckets[-1]) >= bucket_bytes:
-                self.buckets.append([])
+        self.buckets, self.works, self.last, self.world = [[]], [], False, torch.distributed.get_world_size()
+        for p in reversed([p for p in model.parameters() if p.requires_grad]):  # the head's gradients come first
+            self.buckets += [[]] if sum(q.nbytes for q in self.buckets[-1]) >= bucket_bytes else []
             self.buckets[-1].append(p)
-        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
-        for p in params:
+            p.register_post_accumulate_grad_hook(functools.partial(self.ready, len(self.buckets) - 1))
             torch.distributed.broadcast(p.detach(), 0)  # every rank starts from rank 0's weights, as under DDP
-            p.register_post_accumulate_grad_hook(self.ready)
 
-    def ready(self, param=None):  # launch the buckets that are complete, in order: every rank makes the same calls
+    def ready(self, bucket, param=None):  # launch the complete buckets in order: every rank makes the same calls
         if self.last and param is not None:
-            self.pending[self.bucket_of[param]] -= 1
+            self.pending[bucket] -= 1
         while self.last and len(self.works) < len(self.buckets) and self.pending[len(self.works)] == 0:
             with torch.distributed._coalescing_manager(async_ops=True) as group:  # one kernel for the bucket
                 for p in self.buckets[len(self.works)]:
+                    p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # an unused parameter's: zeros
                     torch.distributed.all_reduce(p.grad)
             self.works.append(group)
 
     def __call__(self, last):  # before each micro-batch's backward (last: the step's last one), and None after it
-        if last is None:  # parameters whose gradient never came (unused) send zeros, so that every bucket goes
-            for p in (p for bucket in self.buckets for p in bucket if p.grad is None):
-                p.grad = torch.zeros_like(p)
+        if last is None:  # every bucket goes, complete or not
             self.pending = [0] * len(self.buckets)
-            self.ready()
-            for work in self.works:
-                work.wait()  # the GPU stream waits for the all-reduce, not the host
+            self.ready(0)
+            [work.wait() for work in self.works]  # the GPU stream waits for the all-reduce, not the host
         self.last, self.pending, self.works = bool(last), [len(b) for b in self.buckets], []
 
 
 def prepare(model, args, ddp, device, compiled, graphs_shape=None):
-    """The model ready to step (its encoder captured at graphs_shape = (batch, seq_len), then torch.compile of the
-    whole, as nanoGPT does; aot_eager on the CPU, where Triton's interpreter runs the kernels; 03's and 04's ops
-    stay opaque), AdamW without decay on biases and norms (1-d), and under torchrun the gradients' all-reduce."""
+    """The model ready to step: its encoder captured at graphs_shape (batch, seq_len), then the whole compiled as in
+    nanoGPT (aot_eager on the CPU; 03's, 04's ops stay opaque); AdamW, no decay on 1-d; torchrun's all-reduce."""
     cuda, params = device.type == "cuda", list(model.parameters())
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)  # the peak counts the capture (replays allocate nothing)
+    torch.cuda.reset_peak_memory_stats(device) if cuda else None  # the peak counts the capture (replays allocate none)
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
                                    {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=args.weight_decay, fused=cuda)
-    capture_cuda_graphs(model, *graphs_shape, compiled, 4 if ddp else 1) if graphs_shape else None
-    all_reduce = AllReduceGradients(model) if ddp else None
-    model = torch.compile(model, backend="inductor" if cuda else "aot_eager") if compiled else model
-    return model, optimizer, all_reduce
+    capture_cuda_graphs(model, *graphs_shape, compiled=compiled) if graphs_shape else None
+    return (torch.compile(model, backend="inductor" if cuda else "aot_eager") if compiled else model, optimizer,
+            AllReduceGradients(model) if ddp else None)
 
 
 def train_step(model, optimizer, all_reduce, micro_batches, args):
     """One optimizer step over the micro-batches; their mean loss and masked accuracy, left on the device."""
-    n, world, loss_sum, acc_sum = len(micro_batches), all_reduce and torch.distributed.get_world_size() or 1, 0.0, 0.0
+    n, world, loss_sum, acc_sum = len(micro_batches), all_reduce.world if all_reduce else 1, 0.0, 0.0
     for i, batch in enumerate(micro_batches):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["input_ids"].is_cuda):
             out = model(**batch)
@@ -589,9 +536,8 @@ def train(args, ddp, rank, world, device):
     torch.manual_seed(args.seed + rank)
     model = load_hf_checkpoint(args.init_from, args.attn, cfg) if args.init_from else RoFormerForMaskedLM(cfg, args.attn)
     n_params, matmul_rate = sum(p.numel() for p in model.parameters()), matmul_tflops(device) if cuda else 1
-    # `model` itself is saved and evaluated: no compiled "_orig_mod." prefix
-    stepped, optimizer, all_reduce = prepare(model.to(device), args, ddp, device, args.compile,
-                                 (args.batch_size, args.seq_len) if args.cuda_graphs else None)
+    stepped, optimizer, all_reduce = prepare(  # `model` itself is saved and evaluated: no "_orig_mod." prefix
+        model.to(device), args, ddp, device, args.compile, args.cuda_graphs and (args.batch_size, args.seq_len))
     ckpt_path, step, seen, history = os.path.join(args.out, "ckpt.pt"), 0, [0] * world, []
     if ckpt:
         model.load_state_dict(ckpt["model"])  # copied in place, where the graphs read the weights
@@ -677,18 +623,16 @@ def evaluate(model, eval_batches, args, device):
 # %%
 # Benchmark
 # ---------
-# Training steps at BERT-base's shape (12 layers, hidden 768, 12 heads, FFN 3072, vocab 30522; batch 32 x 512
-# random tokens, no padding) on each path eager, compiled, graphed and both, and on Hugging Face's model eager
-# and compiled, in rounds of alternating order, against a bf16 matmul timed in the same run. A round times
-# --bench-steps steps between two synchronizes: every rank of a DDP run runs as many (not do_bench's budget).
+# Training steps at BERT-base's shape (batch 32 x 512 random tokens, no padding) on each path eager, compiled,
+# graphed and both, and Hugging Face's model eager and compiled, in rounds of alternating order, against a bf16 matmul
+# of the same run. A round: --bench-steps steps between two synchronizes, as many on every rank (not do_bench's).
 
 
 def bench(args, ddp, rank, world, device):
     if not (cuda := device.type == "cuda") and rank == 0:
         print("NO GPU: a tiny model in Triton's interpreter; the numbers say nothing about speed.")
     seq, batch = (args.seq_len, args.batch_size) if cuda else (32, 2)
-    cfg = RoFormerConfig(*((30522, 768, 12, 12, 3072) if cuda else (300, 32, 2, 2, 64)), max_position_embeddings=seq,
-                         pad_token_id=0)
+    cfg = RoFormerConfig(*((30522, 768, 12, 12, 3072) if cuda else (300, 32, 2, 2, 64)), 0, seq, pad_token_id=0)
     gen = torch.Generator().manual_seed(args.seed + rank)
     ids = torch.randint(1, cfg.vocab_size, (batch, seq), generator=gen)
     ours = device_batch(ids, torch.ones_like(ids, dtype=torch.bool), args, gen, device)  # masked as in training

@@ -681,3 +681,29 @@ def test_05_stays_within_its_line_budget():
 def test_an_unknown_attention_path_is_refused_by_the_model_too():
     with pytest.raises(ValueError, match="attn must be one of"):
         train.RoFormerForMaskedLM(train.RoFormerConfig(), attn="flash")
+
+
+@pytest.mark.skipif(ON_GPU, reason="a one-rank gloo group on the CPU")
+def test_all_reduce_launches_buckets_in_order_during_the_backward(monkeypatch):
+    """Each bucket's all-reduce is issued once its gradients of the last micro-batch are in, in bucket order (every
+    rank issues the same calls), the later layers' before the backward reaches the first layer; none is issued on an
+    earlier micro-batch; a parameter that got no gradient is sent as zeros, so that no bucket is left out."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))  # layers[0]: unused, its bucket last
+        params = list(layers.parameters())
+        all_reduce = train.AllReduceGradients(layers, bucket_bytes=1)  # one parameter a bucket
+        issued, seen_by_input = [], []
+        real = torch.distributed.all_reduce
+        monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, *a, **k: issued.append(t) or real(t, *a, **k))
+        for last in (False, True):
+            x = torch.randn(2, 4, requires_grad=True)
+            x.register_hook(lambda g: seen_by_input.append(len(issued)))
+            all_reduce(last)
+            layers[3](layers[2](layers[1](x))).sum().backward()
+        assert seen_by_input[0] == 0 and seen_by_input[1] >= 4  # layers 3 and 2 went out during the backward
+        all_reduce(None)
+        assert [id(t) for t in issued] == [id(p.grad) for p in reversed(params)]  # every bucket, in order, once
+        assert not layers[0].weight.grad.any() and layers[1].weight.grad.any()
+    finally:
+        torch.distributed.destroy_process_group()
