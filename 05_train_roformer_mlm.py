@@ -6,7 +6,7 @@ In this tutorial, you will learn about:
 
 * a faithful RoFormer (Hugging Face's ``RoFormerForMaskedLM``, whose checkpoints load with ``--init-from``): post-LN
   layers with RoPE on q and k (interleaved pairs), an MLM head tied to the word embeddings, BERT masking;
-* ``--attn``, which changes nothing but RoPE and attention: ``torch`` (PyTorch's RoPE reference + SDPA),
+* ``--attn``, which changes nothing but RoPE and attention: ``torch`` (03's plain-PyTorch RoPE + SDPA),
   ``naive`` (01's RoPE + SDPA), ``triton`` (03's RoPE + SDPA; 02's kernel at evaluation), ``fused`` (04);
 * a nanoGPT-style loop: AdamW without decay on biases and norms, warmup then linear decay, gradient accumulation and
   clipping, bf16 autocast, durable checkpoints, an exact ``--resume``, torchrun's ranks (and DDP's copies avoided);
@@ -30,6 +30,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import weakref
 
 import torch
 import torch.nn as nn
@@ -476,15 +477,15 @@ class AllReduceGradients:
 
     def __init__(self, model, bucket_bytes=50 * 2**20):
         self.buckets, self.works, self.last, self.world = [[]], [], False, torch.distributed.get_world_size()
+        this = weakref.proxy(self)  # a hook that held self would keep every parameter alive (C++ holds the hooks)
         for p in reversed([p for p in model.parameters() if p.requires_grad]):  # the head's gradients come first
             self.buckets += [[]] if sum(q.nbytes for q in self.buckets[-1]) >= bucket_bytes else []
             self.buckets[-1].append(p)
-            p.register_post_accumulate_grad_hook(functools.partial(self.ready, len(self.buckets) - 1))
+            p.register_post_accumulate_grad_hook(functools.partial(type(self).ready, this, len(self.buckets) - 1))
             torch.distributed.broadcast(p.detach(), 0)  # every rank starts from rank 0's weights, as under DDP
 
     def ready(self, bucket, param=None):  # launch the complete buckets in order: every rank makes the same calls
-        if self.last and param is not None:
-            self.pending[bucket] -= 1
+        self.pending[bucket] -= self.last and param is not None  # a gradient of the last micro-batch is in
         while self.last and len(self.works) < len(self.buckets) and self.pending[len(self.works)] == 0:
             with torch.distributed._coalescing_manager(async_ops=True) as group:  # one kernel for the bucket
                 for p in self.buckets[len(self.works)]:
@@ -496,13 +497,12 @@ class AllReduceGradients:
         if last is None:  # every bucket goes, complete or not
             self.pending = [0] * len(self.buckets)
             self.ready(0)
-            [work.wait() for work in self.works]  # the GPU stream waits for the all-reduce, not the host
+            [work.wait() for work in self.works]  # NCCL: the GPU stream waits for the all-reduce, not the host
         self.last, self.pending, self.works = bool(last), [len(b) for b in self.buckets], []
 
 
 def prepare(model, args, ddp, device, compiled, graphs_shape=None):
-    """The model ready to step: its encoder captured at graphs_shape (batch, seq_len), then the whole compiled as in
-    nanoGPT (aot_eager on the CPU; 03's, 04's ops stay opaque); AdamW, no decay on 1-d; torchrun's all-reduce."""
+    """The model ready to step (encoder graphed, then all compiled, as in nanoGPT), AdamW, torchrun's all-reduce."""
     cuda, params = device.type == "cuda", list(model.parameters())
     torch.cuda.reset_peak_memory_stats(device) if cuda else None  # the peak counts the capture (replays allocate none)
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},

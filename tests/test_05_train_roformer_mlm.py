@@ -3,6 +3,7 @@ agreeing, BERT masking, an exact resume, durable checkpoints and logs (a kill du
 broken and foreign checkpoints, a full disk), DDP (gloo on the CPU), bad inputs: one line each."""
 import argparse
 import csv
+import gc
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 
 import pytest
 import torch
@@ -97,7 +99,7 @@ def test_attention_paths_agree():
 def test_loss_on_masked_positions_only(attn):
     """With labels, the head runs on the masked positions only: the loss and accuracy must be those of
     the full logits at exactly those positions, and its gradients those of that loss. The kernel
-    paths give the loss and every gradient as the torch path (Hugging Face's code) has them."""
+    paths give the loss and every gradient as the torch path (plain PyTorch) has them."""
     torch.manual_seed(0)
     cfg = train.RoFormerConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                                max_position_embeddings=32, hidden_dropout_prob=0.0)
@@ -705,5 +707,11 @@ def test_all_reduce_launches_buckets_in_order_during_the_backward(monkeypatch):
         all_reduce(None)
         assert [id(t) for t in issued] == [id(p.grad) for p in reversed(params)]  # every bucket, in order, once
         assert not layers[0].weight.grad.any() and layers[1].weight.grad.any()
+        # the hooks hold no strong reference to the all-reduce: a model and its parameters are freed with it (the
+        # bench builds one per path)
+        weight = weakref.ref(layers[1].weight)
+        del layers, params, all_reduce, issued
+        gc.collect()
+        assert weight() is None
     finally:
         torch.distributed.destroy_process_group()
