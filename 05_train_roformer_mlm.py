@@ -215,7 +215,7 @@ class RoFormerEncoder(nn.Module):
 
 def capture_cuda_graphs(model, batch_size, seq_len, compiled=False):
     """The encoder's forward and backward as two CUDA graphs (compiled first if compiled): a replay issues hundreds of
-    kernels in one call, where each eager op costs the host microseconds. Other shapes, padding, evaluation: the layers."""
+    kernels in one call, where each eager op costs the host microseconds. Others (shape, padding, eval): the layers."""
     shape, rng = (batch_size, seq_len, model.cfg.hidden_size), torch.cuda.get_rng_state()
     sample = torch.zeros(shape, device=model.roformer.encoder.freqs.device, dtype=torch.bfloat16, requires_grad=True)
     if hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):  # the warm-up's: a false alarm
