@@ -10,8 +10,6 @@ In this tutorial, you will learn about:
   per step and computes QK^T as one dot;
 * the backward in the rotated basis, rotated back once as dk and dq are stored (exact: RoPE is linear and acts on
   each row alone); dq by a second kernel that loops the other way, in a fixed order, rather than by atomics;
-* tensor descriptors (``tl.make_tensor_descriptor``, TMA loads on Hopper) in the forward's loop past 1024 tokens,
-  pointer loads where a descriptor cannot express the access;
 * online softmax with key-padding and causal masks, grouped-query attention, odd lengths, head dims that are not
   powers of two, partial rotary, both pairings, packed qkv;
 * opaque ``torch.library.custom_op``s that ``torch.compile(fullgraph=True)`` takes whole, and an eager path that
@@ -107,16 +105,9 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # ------------------
 # QK^T sums over channels, so q and k may hold them in any order they share. rq [b, h, s, W] and rk [b, h_kv, s, W]
 # hold per row the a members of the d2/2 pairs (rotate-half: channel i; interleaved: 2i), zero-padded to a power
-# of two HALF, then the b members likewise, then the d - d2 channels that are not rotated, padded to a multiple of
-# 8 (W: 16-byte rows). A loop loads a tile as one [rows, 2 * HALF] block with no channel mask, and QK^T is one dot
-# (plus one for the pass-through channels). q and k are rotated in float32 and rounded once.
-#
-# Tensor descriptors: on Hopper the copy engine (TMA) can move a tile instead of the warps. tl.make_tensor_descriptor
-# describes a head as a 2-D array (base, shape, strides, tile), desc.load([row, 0]) copies a tile to shared memory,
-# rows and channels past the shape read as 0 with no mask, while the warps compute. The forward past TMA_MIN_SEQLEN
-# tokens reads rk's rotated halves so (16-byte rows), and v where its channels are contiguous and its address and
-# other strides multiples of 16 bytes; the pass-through channels, counted by a mask, stay pointer loads. Its causal
-# loop is split in two there, the tiles before the diagonal with no causal test, then the diagonal's.
+# of two HALF, then the b members likewise, then the d - d2 channels that are not rotated: W = 2 * HALF + d - d2.
+# A loop loads a tile as one [rows, 2 * HALF] block with no channel mask, and QK^T is one dot (plus one for the
+# pass-through channels). q and k are rotated in float32 and rounded once.
 #
 # The backward
 # ------------
@@ -133,6 +124,8 @@ def attention_reference(q, k, v, freqs, causal=False, attention_mask=None, sm_sc
 # Did not help (results/04_rope_attention_ab.log): K tiles rotated in the loops, no pass (forward + backward slower
 # everywhere); q rotated again in the backward, not saved (the write moves into a kernel bound by bytes); sin and cos
 # per element; FlashAttention 2's d(Rq) summed by atomics into a float32 buffer as large as q (slower at every shape).
+# Nor, with Triton 3.6 on Hopper (results/04_hopper.md): the forward's loads through tensor descriptors (TMA),
+# its loop warp-specialized (no effect), QK^T of the next tile issued before this tile's softmax, long blocks first.
 
 # %%
 # The kernels
@@ -266,10 +259,10 @@ def _masked(x, q_idx, k_idx, seqlen, key_mask_row, fill, diagonal, CAUSAL: tl.co
 
 @triton.jit
 def _scores(x_r, x_p, y_rows, y_ok, n_pass, HALF: tl.constexpr, PASS: tl.constexpr, HAS_PASS: tl.constexpr,
-            EVEN: tl.constexpr, desc=None, row=0, DESC: tl.constexpr = False):
+            EVEN: tl.constexpr):
     """x y^T for a tile x held in registers (x_r: the rotated halves, x_p: the pass-through channels) and the rows
-    y_rows of rq or rk, loaded whole (the rotated halves through desc where DESC); returns the scores and y's parts."""
-    y_r = desc.load([row, 0]) if DESC else _load(y_rows + tl.arange(0, 2 * HALF)[None, :], y_ok, 0.0, EVEN)
+    y_rows of rq or rk, loaded whole; returns the scores and y's two parts."""
+    y_r = _load(y_rows + tl.arange(0, 2 * HALF)[None, :], y_ok, 0.0, EVEN)
     scores = tl.dot(x_r, tl.trans(y_r))
     y_p = x_p  # (unused without HAS_PASS)
     if HAS_PASS:
@@ -287,9 +280,7 @@ def rope_attn_fwd_kernel(
     stride_ob, stride_os, stride_oh, stride_od,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     W: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, SAVE_RQ: tl.constexpr, WIDE: tl.constexpr,
-    DESC_K: tl.constexpr, DESC_V: tl.constexpr,
-):
+    HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, SAVE_RQ: tl.constexpr, WIDE: tl.constexpr):
     """One block of queries of one head: the output rows and their log-sum-exp (base 2)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
@@ -311,34 +302,26 @@ def rope_attn_fwd_kernel(
             tl.store(rq_rows + 2 * HALF + c, q_p, mask=m_ok & (c < n_pass))
     rk_head = rk_ptr + (bh // group).to(tl.int64) * seqlen * W  # rk is [b, h_kv, s, W]: row b * h_kv + h // group
     v_head = v_ptr + b * stride_vb + (h // group) * stride_vh
-    rk_desc = tl.make_tensor_descriptor(rk_head, [seqlen, 2 * HALF], [W, 1], [BLOCK_N, 2 * HALF]) if DESC_K else None
-    v_desc = tl.make_tensor_descriptor(v_head, [seqlen, head_dim], [stride_vs, 1], [BLOCK_N, D]) if DESC_V else None
     # qk_scale (the softmax scale in log2 units, for exp2) is applied in the multiply-add that subtracts the max
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max of the scaled scores
     l_i = tl.zeros((BLOCK_M,), tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen) if CAUSAL else seqlen  # causal: no key past the block's last query
-    SPLIT: tl.constexpr = CAUSAL and DESC_K  # the tiles before the diagonal, then its own (BLOCK_N divides BLOCK_M)
-    for stage in tl.static_range(2 if SPLIT else 1):
-        lo, end = ((0, pid_m * BLOCK_M) if stage == 0 else (pid_m * BLOCK_M, hi)) if SPLIT else (0, hi)
-        for start_n in range(lo, end, BLOCK_N):
-            offs_n = _positions(start_n, BLOCK_N, WIDE)
-            n_ok = (offs_n < seqlen)[:, None]
-            scores, _, _ = _scores(q_r, q_p, rk_head + offs_n[:, None] * W, n_ok, n_pass, HALF, PASS, HAS_PASS, EVEN_N,
-                                   rk_desc, start_n, DESC_K)
-            scores = _masked(scores, offs_m[:, None], offs_n[None, :], seqlen, key_mask_ptr + b * seqlen,
-                             float("-inf"), stage == 1 if SPLIT else start_n + BLOCK_N > pid_m * BLOCK_M, CAUSAL,
-                             HAS_MASK, EVEN_N)
-            m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
-            # with a padding mask, a row that has seen no visible key yet keeps m = -inf: subtract 0 instead
-            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if HAS_MASK else m_new
-            p = tl.exp2(scores * qk_scale - m_new_safe[:, None])
-            alpha = tl.exp2(m_i - m_new_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = v_desc.load([start_n, 0]) if DESC_V else _load(v_head + offs_n[:, None] * stride_vs + d * stride_vd,
-                                                               n_ok & (d < head_dim), 0.0, EVEN_N and EVEN_D)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-            m_i = m_new
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = _positions(start_n, BLOCK_N, WIDE)
+        n_ok = (offs_n < seqlen)[:, None]
+        scores, _, _ = _scores(q_r, q_p, rk_head + offs_n[:, None] * W, n_ok, n_pass, HALF, PASS, HAS_PASS, EVEN_N)
+        scores = _masked(scores, offs_m[:, None], offs_n[None, :], seqlen, key_mask_ptr + b * seqlen, float("-inf"),
+                         start_n + BLOCK_N > pid_m * BLOCK_M, CAUSAL, HAS_MASK, EVEN_N)
+        m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
+        # with a padding mask, a row that has seen no visible key yet keeps m = -inf: subtract 0 instead
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if HAS_MASK else m_new
+        p = tl.exp2(scores * qk_scale - m_new_safe[:, None])
+        alpha = tl.exp2(m_i - m_new_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load(v_head + offs_n[:, None] * stride_vs + d * stride_vd, n_ok & (d < head_dim), 0.0, EVEN_N and EVEN_D)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
     empty = l_i == 0.0  # rows that saw no key: output 0, and lse = +inf so the backward's p is 0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     o_rows = o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os
@@ -355,8 +338,7 @@ def rope_attn_bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh, stride_dkd, stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     W: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr,
-):
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr):
     """One block of keys of one k/v head: dK and dV, summed over the q heads of its group."""
     pid_n, bhk = tl.program_id(0), tl.program_id(1)
     n_kv_heads = n_heads // group
@@ -411,8 +393,7 @@ def rope_attn_bwd_dq_kernel(
     stride_ob, stride_os, stride_oh, stride_od, stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, D: tl.constexpr,
     W: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr,
-):
+    EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, WIDE: tl.constexpr):
     """One block of queries of one q head: dQ, summed over the keys it sees in a fixed order."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h = (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64)
@@ -459,10 +440,8 @@ def rope_attn_bwd_dq_kernel(
 # Tile configs (BLOCK_M, BLOCK_N, warps, stages) per kernel and shape class, from per-shape sweeps (results/
 # 04_rope_attention_sweep.log; the backward's, _ab.log): at d = 64 short sequences want small query blocks in the
 # forward (more programs to fill the GPU), longer ones 128 x 128; at d = 128 causality favours the smaller tiles; at
-# d = 64 the dq kernel wants 4 warps with a padding mask, 8 without; the forward on descriptors takes 128 x 128
-# tiles (BLOCK_N divides BLOCK_M: its causal loop's split relies on it). The interpreter runs 32 x 32 tiles.
+# d = 64 the dq kernel wants 4 warps with a padding mask, 8 without. The interpreter runs 32 x 32 tiles.
 CONFIGS = {
-    ("fwd", "descriptors"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
     ("fwd", "d<=64, s<=1024"): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
     ("fwd", "d<=64, s>1024"): dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3),
     ("fwd", "d>64, causal"): dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
@@ -475,10 +454,6 @@ CONFIGS = {
 }
 PASS_CONFIG = dict(ROWS=64, num_warps=4)  # rows (positions x heads) per program of the rotation pass
 INT32_LIMIT = 2**31  # offsets within a head that could reach this are int64 (WIDE); a test lowers it
-TMA_MIN_SEQLEN = 1024  # longer sequences: the forward on tensor descriptors (TMA, Hopper on); tests, A/B runs set it
-_tma_ok = lambda x: x.stride(3) == 1 and x.data_ptr() % 16 == 0 and all(  # noqa: E731  (may a descriptor read x?)
-    x.stride(i) * x.element_size() % 16 == 0 for i in range(3))
-_scratch = lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=DEVICE)  # noqa: E731
 _checked, _launches = {}, {}
 _strides = lambda *ts, order=(0, 1, 2, 3): [x.stride(i) for x in ts for i in order]  # noqa: E731  (b, s, h, d) order
 # An eager call on small tensors is bound by the host: ``kernel[grid](...)`` binds and specializes some forty
@@ -513,11 +488,10 @@ def _launch_cached(kernel, key, tensors, plan):
             constexprs[name] for name in kernel.arg_names if name in constexprs])))
 
 
-def _config(kernel, head_dim, seqlen=0, causal=False, masked=False, DESC_K=False, **_):
+def _config(kernel, head_dim, seqlen=0, causal=False, masked=False):
     shape = "d<=64" if head_dim <= 64 else "d>64"
     shape += {"fwd": (", s<=1024" if seqlen <= 1024 else ", s>1024") if head_dim <= 64 else ", causal" * causal,
               "dq": ", mask" if head_dim <= 64 and masked else ""}.get(kernel, "")
-    shape = "descriptors" if DESC_K else shape
     interpreter = {} if DEVICE.type == "cuda" else dict(BLOCK_M=32, BLOCK_N=32, num_warps=4)
     return dict(CONFIGS[(kernel, shape)], **interpreter)
 
@@ -528,16 +502,15 @@ def _dims(q, k, rot_dim):
     pow2 = lambda n, at_least: max(at_least, 1 << (int(n) - 1).bit_length())  # noqa: E731
     (b, s, h, d), h_kv, half, n_pass = q.shape, k.shape[2], rot_dim // 2, q.shape[3] - rot_dim
     HALF, HEADS = pow2(half, 8), min(pow2(h_kv, 1), PASS_CONFIG["ROWS"])  # 2 * HALF >= 16: a dot's smallest K
-    W = 2 * HALF + n_pass + -n_pass % 8  # 16-byte rows, as a tensor descriptor's strides must be
     return types.SimpleNamespace(batch=b, seqlen=s, n_heads=h, n_kv_heads=h_kv, head_dim=d, half=half, n_pass=n_pass,
-                                 HALF=HALF, PASS=pow2(n_pass, 16), W=W, D=pow2(d, 16), HEADS=HEADS,
+                                 HALF=HALF, PASS=pow2(n_pass, 16), W=2 * HALF + n_pass, D=pow2(d, 16), HEADS=HEADS,
                                  BLOCK_S=PASS_CONFIG["ROWS"] // HEADS, sizes=(s, h, h // h_kv, half, n_pass))
 
 
 def _plan(kernel, d, sm_scale, causal, interleaved, key_mask, strided, wide, **extra):
     """(grid, scalars, constexprs) of an attention kernel: a program per block of queries of a head, or (dkdv) of keys
     of a k head. WIDE: could a position's offset within one head (of a tensor in wide, or rq, rk) reach INT32_LIMIT?"""
-    cfg, dkdv = _config(kernel, d.head_dim, d.seqlen, causal, key_mask is not None, **extra), kernel == "dkdv"
+    cfg, dkdv = _config(kernel, d.head_dim, d.seqlen, causal, key_mask is not None), kernel == "dkdv"
     ends = [(d.seqlen - 1) * abs(x.stride(1)) + (d.head_dim - 1) * abs(x.stride(3)) for x in wide]
     blocks, heads = (cfg["BLOCK_N"], d.n_kv_heads) if dkdv else (cfg["BLOCK_M"], d.n_heads)
     return (triton.cdiv(d.seqlen, blocks), d.batch * heads), (sm_scale * LOG2E, *d.sizes, *_strides(*strided)), dict(
@@ -561,11 +534,7 @@ def _forward(qkv: List[Tensor], freqs: Tensor, key_mask: Optional[Tensor], sm_sc
     """The forward op: qkv is [q, k, v], or [qkv] packed as [b, s, 3, h, d]."""
     q, k, v = qkv if len(qkv) == 3 else qkv[0].unbind(2)
     o, lse, rq, rk, trig = _forward_fake(qkv, freqs, key_mask, sm_scale, causal, interleaved, save_rotated)
-    key = _signature(q, k, v, freqs, key_mask, sm_scale, causal, interleaved, save_rotated, TMA_MIN_SEQLEN)
-    tma = q.shape[1] > TMA_MIN_SEQLEN and (  # TMA from Hopper on; the interpreter runs descriptors too
-        q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) >= (9, 0))
-    if tma:  # descriptors made in a kernel live in global scratch memory, which the launch asks of the allocator
-        triton.set_allocator(_scratch)  # (a context variable: set in the thread that launches)
+    key = _signature(q, k, v, freqs, key_mask, sm_scale, causal, interleaved, save_rotated)
 
     def plan_pass():  # the pass: k -> rk, and the cos/sin table
         d = _dims(q, k, freqs.shape[3])
@@ -576,7 +545,7 @@ def _forward(qkv: List[Tensor], freqs: Tensor, key_mask: Optional[Tensor], sm_sc
     _launch_cached(rope_pass_kernel, key, (k, rk, freqs, trig), plan_pass)
     _launch_cached(rope_attn_fwd_kernel, key, (q, rk, v, o, lse, rq, trig, key_mask if key_mask is not None else lse),
                    lambda: _plan("fwd", _dims(q, k, freqs.shape[3]), sm_scale, causal, interleaved, key_mask,
-                                 (q, v, o), (q, v, o), SAVE_RQ=save_rotated, DESC_K=tma, DESC_V=tma and _tma_ok(v)))
+                                 (q, v, o), (q, v, o), SAVE_RQ=save_rotated))
     return o, lse, rq, rk, trig
 
 
@@ -769,8 +738,11 @@ def _providers(freqs, causal, mask, rope03, b, s):
         return fns
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    block_mask = create_block_mask(lambda b_, h_, q_idx, kv_idx: (q_idx >= (kv_idx if causal else 0)) & (
-        mask[b_, kv_idx] if mask is not None else True), b if mask is not None else None, None, s, s, device=DEVICE)
+
+    def mask_mod(b_, h_, q_idx, kv_idx):
+        ok = (q_idx >= kv_idx) if causal else (q_idx >= 0)
+        return ok & mask[b_, kv_idx] if mask is not None else ok
+    block_mask = create_block_mask(mask_mod, b if mask is not None else None, None, s, s, device=DEVICE)
     flex = torch.compile(flex_attention, dynamic=False)
     sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
         q, k, v, is_causal=causal and mask is None, attn_mask=mask[:, None, None, :] if mask is not None else None)
@@ -812,20 +784,46 @@ def benchmark(rope03, yardstick):
     return rows
 
 
-def write_page(rows, yardstick, results_dir):
+def host_cost(rope03):
+    """Eager calls on tensors so small that the GPU waits for the host: wall time per call of 200 calls in a row and
+    one sync, the median of 7 interleaved rounds. 03's RoPE is apply_rotary_pos_emb_qk; SDPA its default backend."""
+    class Identity(torch.autograd.Function):  # autograd's own cost: a Function that launches nothing
+        forward = staticmethod(lambda ctx, *xs: tuple(x.new_empty(x.shape) for x in xs))
+        backward = staticmethod(lambda ctx, *grads: grads)
+    x, freqs = torch.randn(1, 128, 2, 64, device=DEVICE, dtype=DTYPE), rope_freqs(128, 64, device=DEVICE)
+    q, k, v = (x.clone().requires_grad_() for _ in "qkv")
+    sdpa = lambda q, k: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    fns = {"empty op (x + 1)": lambda: x + 1, "autograd alone: identity Function on q, k, v": lambda: Identity.apply(
+        q, k, v)[0], "SDPA": lambda: sdpa(q, k), "03 RoPE + SDPA": rope03 and (lambda: sdpa(
+            *rope03.apply_rotary_pos_emb_qk(q, k, freqs, "bshd"))), "ours": lambda: rope_attention(q, k, v, freqs)}
+    fns = {name: fn for name, fn in fns.items() if fn}  # 03's row only where 03 sits beside this file
+    fns = {**{f"{n}, forward": f for n, f in fns.items()}, "ours, forward, no grad": lambda: rope_attention(
+        x, x, x, freqs), **{f"{n}, forward + backward": lambda f=f: f().backward(x) for n, f in list(fns.items())[1:]}}
+    times, clock = {name: [] for name in fns}, lambda: torch.cuda.synchronize() or time.perf_counter()
+    for _, (name, fn) in itertools.product(range(7), fns.items()):  # rounds: a busy moment of the host touches all
+        fn()  # warm; timeit reads the clock (a sync) before and after; garbage collection stays on, as for a user
+        times[name].append(timeit.Timer(fn, "gc.enable()", clock).timeit(200) / 200 * 1e6)
+    us = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    return ["| eager call, (1, 128, 2, 64) bf16 | host us per call | empty ops |", "|---|---|---|"] + [
+        f"| {name} | {t:.1f} | {t / us['empty op (x + 1), forward']:.1f} |" for name, t in us.items()]
+
+
+def write_page(rows, host, yardstick, results_dir):
     """results_dir/04_rope_attention_<GPU>.md: environment, command, what is timed, the tables, the raw log's name."""
     (here, script), gpu = os.path.split(os.path.abspath(__file__)), torch.cuda.get_device_name()
     kind = next((w for w in gpu.split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
     commit = os.popen(f'git -C "{here}" rev-parse --short HEAD 2>{os.devnull}').read().strip() or "n/a"
-    timed = " ".join(benchmark.__doc__.split())  # what is timed: its docstring
+    timed = [" ".join(fn.__doc__.split()) for fn in (benchmark, host_cost)]  # what is timed: their docstrings
     os.makedirs(results_dir, exist_ok=True)
     with open(os.path.join(results_dir, f"04_rope_attention_{kind}.md"), "w") as f:
         f.write(f"# RoPE + attention on the {kind}: fused against RoPE then attention\n\ndevice: {gpu}; date: "
                 f"{time.strftime('%Y-%m-%d')}; torch {torch.__version__}; triton {triton.__version__}; python "
                 f"{sys.version.split()[0]}; commit {commit}; {script} md5 "
                 f"{hashlib.md5(open(__file__, 'rb').read()).hexdigest()[:8]}\n\nCommand: `python {' '.join(sys.argv)}`"
-                f"\n\n{timed} The matmul ran at {yardstick:.0f} TF/s.\n\n" + "\n".join(rows)
-                + f"\n\nRaw log: `04_rope_attention_{kind}.log`; eager calls' host cost: `04_tools/host_cost.py`\n")
+                f"\n\n{timed[0]} The matmul ran at {yardstick:.0f} TF/s.\n\n" + "\n".join(rows)
+                + f"\n\n## Host cost of an eager call\n\n{timed[1]}\n\n" + "\n".join(host)
+                + f"\n\nRaw log: `04_rope_attention_{kind}.log`\n")
 
 
 if __name__ == "__main__":
@@ -846,4 +844,6 @@ if __name__ == "__main__":
             spec.loader.exec_module(rope03 := importlib.util.module_from_spec(spec))
         else:
             print(f"{peer} is missing: ours alone, no unfused paths to compare with")
-        write_page(benchmark(rope03, yardstick), yardstick, args.results)
+        rows, host = benchmark(rope03, yardstick), host_cost(rope03)
+        print(*host, sep="\n")
+        write_page(rows, host, yardstick, args.results)

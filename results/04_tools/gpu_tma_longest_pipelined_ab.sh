@@ -1,0 +1,17 @@
+#!/bin/bash
+# The descriptor A/B with profile (04 at 8d8f457 copied over the tree's file: run it on a copy), then the
+# longest-first and pipelined-QK^T A/Bs against 04 at 3d8d14f.
+# Run from the repository root on a GPU, OUT set. The versions of 04 it names, made beforehand:
+#   git show 3d8d14f:04_rope_attention.py > .dev/04_head.py   (pointer loads; md5 4d452694)
+#   git show 8d8f457:04_rope_attention.py > .dev/04_desc.py   (forward on tensor descriptors; md5 77b0d811)
+#   .dev/04_head.py patched with results/04_tools/variants/{longest_first,pipelined}.patch ->
+#   .dev/04_longest.py (md5 67ea8e3f), .dev/04_pipelined.py (md5 a2ec3d16)
+set -o pipefail
+export PYTHONUNBUFFERED=1
+G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00')
+hdr() { echo "# $(date -u '+%Y-%m-%d %H:%M UTC'); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"; echo "# $1"; }
+cp .dev/04_desc.py 04_rope_attention.py
+C="python3 results/04_tools/tma_ab.py --configs --profile"
+{ hdr "$C (04_rope_attention.py at 8d8f457)"; timeout 300 $C; echo "# exit $?"; } 2>&1 | tee $OUT/04_tma_ab_$G.log | grep -v "^ \|^$\|Warn\|warn"
+C="python3 results/04_tools/ab_files.py before=.dev/04_head.py longest_first=.dev/04_longest.py pipelined=.dev/04_pipelined.py"
+{ hdr "$C"; timeout 200 $C; echo "# exit $?"; } 2>&1 | tee $OUT/04_longest_pipelined_ab_$G.log
