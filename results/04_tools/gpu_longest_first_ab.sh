@@ -1,7 +1,6 @@
 #!/bin/bash
-# A/B: 04 at 3d8d14f against causal query blocks longest first (04_rope_attention.py = .dev/04_longest.py), and
-# again with an override meant for the causal d > 64 forward (128 x 128 tiles) whose key, written without the space
-# of CONFIGS' "d>64, causal", matched nothing: that row ran the longest-first code unchanged.
+# A/B: 04 at 3d8d14f against causal query blocks longest first. (04_hopper_longest_first_ab_H100.log has a third
+# row, "lf_fwd128": the longest-first code once more, under another name.)
 # Run from the repository root on a GPU, OUT set. The versions of 04 it names, made beforehand:
 #   git show 3d8d14f:04_rope_attention.py > .dev/04_head.py   (pointer loads; md5 4d452694)
 #   git show 8d8f457:04_rope_attention.py > .dev/04_desc.py   (forward on tensor descriptors; md5 77b0d811)
@@ -10,5 +9,5 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00')
-C="python3 results/04_tools/ab_files.py before=.dev/04_head.py longest_first=04_rope_attention.py lf_fwd128=04_rope_attention.py:fwd,d>64,causal=128,128,8,3"
-{ echo "# $(date -u '+%Y-%m-%d %H:%M UTC'); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"; echo "# $C"; timeout 400 $C; echo "# exit $?"; } 2>&1 | tee $OUT/04_longest_first_ab_$G.log
+C="python3 results/04_tools/ab_files.py before=.dev/04_head.py longest_first=.dev/04_longest.py"
+{ echo "# $(date -u '+%Y-%m-%d %H:%M UTC'); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"; echo "# $C"; timeout 400 $C; echo "# exit $?"; } 2>&1 | tee $OUT/04_hopper_longest_first_ab_$G.log

@@ -9,4 +9,4 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00')
 C="python3 results/04_tools/ab_files.py before=.dev/04_head.py pipelined=.dev/04_pipelined.py"
-{ echo "# $(date -u '+%Y-%m-%d %H:%M UTC'); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"; echo "# $C"; timeout 300 $C; echo "# exit $?"; } 2>&1 | tee $OUT/04_pipelined_ab_$G.log
+{ echo "# $(date -u '+%Y-%m-%d %H:%M UTC'); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"; echo "# $C"; timeout 300 $C; echo "# exit $?"; } 2>&1 | tee $OUT/04_hopper_pipelined_ab_$G.log

@@ -1,5 +1,6 @@
 #!/bin/bash
 # 04's GPU tests, then 05's step at BERT-base's shape (04 unchanged at s = 512), with the torch path.
+# Run from the repository root on a GPU, OUT set.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00')

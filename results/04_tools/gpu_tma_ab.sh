@@ -1,6 +1,9 @@
 #!/bin/bash
-# One GPU, with 04_rope_attention.py at 8d8f457 (md5 77b0d811) in the tree: its test suite, then the A/B (descriptors, pointer loads, warp-specialized, tile configs,
-# RoPE + cuDNN) with a per-kernel profile. Logs to $OUT.
+# One GPU: 04's test suite, then the A/B of its forward on tensor descriptors (tma_ab.py: descriptors, pointer
+# loads, warp-specialized, tile configs, RoPE + cuDNN) with a per-kernel profile. Run from the repository root of a
+# copy, OUT set, with 04 and its tests as at 8d8f457 (md5 77b0d811):
+#   git show 8d8f457:04_rope_attention.py > 04_rope_attention.py
+#   git show 8d8f457:tests/test_04_rope_attention.py > tests/test_04_rope_attention.py
 set -o pipefail
 export PYTHONUNBUFFERED=1
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00')
@@ -11,6 +14,6 @@ hdr() {
   echo "# $1"
 }
 C="python3 -m pytest tests/test_04_rope_attention.py -q -n 8 -p no:cacheprovider -rfs"
-{ hdr "$C"; timeout 200 $C; echo "# exit $?"; } > $OUT/pytest_04_gpu_$G.log 2>&1; tail -3 $OUT/pytest_04_gpu_$G.log
+{ hdr "$C"; timeout 200 $C; echo "# exit $?"; } > $OUT/04_hopper_pytest_descriptors_$G.log 2>&1; tail -3 $OUT/04_hopper_pytest_descriptors_$G.log
 C="python3 results/04_tools/tma_ab.py --configs --profile"
-{ hdr "$C"; timeout 330 $C; echo "# exit $?"; } 2>&1 | tee $OUT/04_tma_ab_$G.log
+{ hdr "$C"; timeout 330 $C; echo "# exit $?"; } 2>&1 | tee $OUT/04_hopper_tma_ab_$G.log

@@ -12,6 +12,6 @@ G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9
 hdr() { echo "# $(date -u '+%Y-%m-%d %H:%M UTC'); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"; echo "# $1"; }
 cp .dev/04_desc.py 04_rope_attention.py
 C="python3 results/04_tools/tma_ab.py --configs --profile"
-{ hdr "$C (04_rope_attention.py at 8d8f457)"; timeout 300 $C; echo "# exit $?"; } 2>&1 | tee $OUT/04_tma_ab_$G.log | grep -v "^ \|^$\|Warn\|warn"
+{ hdr "$C (04_rope_attention.py at 8d8f457)"; timeout 300 $C; echo "# exit $?"; } 2>&1 | tee $OUT/04_hopper_tma_ab_$G.log | grep -v "^ \|^$\|Warn\|warn"
 C="python3 results/04_tools/ab_files.py before=.dev/04_head.py longest_first=.dev/04_longest.py pipelined=.dev/04_pipelined.py"
-{ hdr "$C"; timeout 200 $C; echo "# exit $?"; } 2>&1 | tee $OUT/04_longest_pipelined_ab_$G.log
+{ hdr "$C"; timeout 200 $C; echo "# exit $?"; } 2>&1 | tee $OUT/04_hopper_longest_pipelined_ab_$G.log

@@ -3,7 +3,7 @@
 python results/04_tools/tma_ab.py [--configs] [--profile]   (on a GPU; prints a Markdown table)
 
 It runs against 04_rope_attention.py as at 8d8f457 (md5 77b0d811: the forward on tensor descriptors past
-TMA_MIN_SEQLEN tokens, a variant not kept; results/04_hopper_H100.md): `git show 8d8f457:04_rope_attention.py`.
+TMA_MIN_SEQLEN tokens, a variant not kept; results/04_hopper.md): `git show 8d8f457:04_rope_attention.py`.
 
 04 chooses descriptors per call when s > TMA_MIN_SEQLEN (a module constant) on Hopper or later: this script sets it
 to 0 (descriptors on) or 10**9 (off: the pointer loads and tile configs of the shorter sequences). The backward is the
