@@ -4,25 +4,36 @@ RoPE forward in one pass over memory
 
 In this tutorial, you will learn about:
 
-* TransformerEngine's RoPE semantics, shared by every later step: ``sbhd`` / ``bshd`` / ``thd`` layouts, partial
-  rotary (``d2 < d``), rotate-half and interleaved pairs, any per-channel angles, ``start_positions`` (KV cache);
-* why the eager formula moves about 4.5x the bytes it needs, and a kernel that reads and writes each element once,
-  at any strides (a slice of a packed qkv, a transposed view), with 64-bit offsets, head dims up to 256 (80 and 96
-  too), any head count, and q and k (GQA) in one launch;
-* checking values that live on the GPU (``cu_seqlens``) without a host sync on every call, and an eager call that
-  costs about four empty ops: checks and the compiled kernel kept per signature of the arguments;
-* an opaque ``torch.library.custom_op`` that writes its outputs, for ``torch.compile(fullgraph=True)``;
+* TransformerEngine's RoPE semantics, shared by every later step: ``sbhd`` / ``bshd`` / ``thd``
+  layouts, partial rotary (``d2 < d``), rotate-half and interleaved pairs, any per-channel angles,
+  ``start_positions`` (KV cache);
+* why the eager formula moves about 4.5x the bytes it needs, and a kernel that reads and writes
+  each element once, at any strides (a slice of a packed qkv, a transposed view), with 64-bit
+  offsets, head dims up to 256 (80 and 96 too), any head count, and q and k (GQA) in one launch;
+* checking values that live on the GPU (``cu_seqlens``) without a host sync on every call, and an
+  eager call that costs a few empty ops: checks and the compiled kernel kept per signature of the
+  arguments;
+* an opaque ``torch.library.custom_op`` that writes its outputs, for
+  ``torch.compile(fullgraph=True)``;
 * measuring a memory-bound kernel against the copy bandwidth of the same GPU, in the same run.
+
+How to read this file. Part 1 is the lesson (about 35 minutes): the math and the PyTorch
+reference, the memory traffic, the kernel, and ``launch_rope_fwd``, a plain launcher built on
+``rope_fwd_launch_args``. Part 2 is the drop-in: argument checks, values and launches remembered
+so that an eager call is cheap, the ``torch.library`` op for ``torch.compile``, and the public
+``rope_fwd`` and ``rope_fwd_qk``; skip it on a first read. Part 3 checks the kernel against the
+reference on irregular shapes and times it against a copy of the same bytes and the usual
+alternatives.
 
 Run ``python 02_rope_fwd.py``: it checks itself against the PyTorch reference, then benchmarks.
 This file imports only torch and triton: copy it alone into your project.
 """
 
-# %%
-# Setup
-# -----
-# With no GPU, the kernels run in Triton's interpreter (numpy on the CPU), chosen before triton is imported.
+# %% Part 1 - the lesson
+# With no GPU, the kernels run in Triton's interpreter (numpy on the CPU), chosen before triton
+# is imported.
 import argparse
+import functools
 import hashlib
 import itertools
 import os
@@ -59,17 +70,22 @@ MAX_HEAD_DIM = 256
 #     y_a = x_a * cos(f_a) - x_b * sin(f_a)
 #     y_b = x_b * cos(f_b) + x_a * sin(f_b)
 #
-# Models build f with equal halves (or pairs), which makes this a true rotation; the kernel does not
-# assume it: it loads f_a and f_b separately, so any float32 table works.
+# Models build f with equal halves (or pairs), which makes this a true rotation; the kernel does
+# not assume it: it loads f_a and f_b separately, so any float32 table works.
 
 
 def rope_freqs(max_seq_len, rotary_dim, base=10000.0, interleaved=False, device=None):
-    """Angle table f[pos, 0, 0, c] = pos * base**(-2*(c//2 or c mod d2/2)/d2), float32 [max_seq_len, 1, 1, rotary_dim],
-    laid out as TE's ``RotaryPositionEmbedding``: the d2/2 inverse frequencies repeated as two halves (rotate-half)
-    or as pairs (interleaved)."""
-    inv_freq = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
-    angles = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), dim=-1)
+    """Angle table f[pos, 0, 0, c] = pos * base**(-2 j / d2), j the pair of channel c, float32
+    [max_seq_len, 1, 1, rotary_dim], laid out as TE's ``RotaryPositionEmbedding``: the d2/2
+    inverse frequencies repeated as two halves (rotate-half) or as pairs (interleaved)."""
+    channels = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device)
+    inv_freq = base ** (-channels / rotary_dim)
+    positions = torch.arange(max_seq_len, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, inv_freq)
+    if interleaved:
+        angles = angles.repeat_interleave(2, dim=-1)
+    else:
+        angles = torch.cat((angles, angles), dim=-1)
     return angles.view(max_seq_len, 1, 1, rotary_dim)
 
 
@@ -79,49 +95,78 @@ def _token_positions(t, tensor_format, cu_seqlens, start_positions):
         tokens = torch.arange(t.shape[0], device=t.device)
         seq = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
         pos = tokens - cu_seqlens.long()[seq]
-        return pos + (start_positions.long()[seq] if start_positions is not None else 0)
+        if start_positions is not None:
+            pos = pos + start_positions.long()[seq]
+        return pos
     pos = torch.arange(t.shape[0 if tensor_format == "sbhd" else 1], device=t.device)
-    start = start_positions.long() if start_positions is not None else pos.new_zeros(1)
-    return pos[:, None] + start[None, :] if tensor_format == "sbhd" else start[:, None] + pos[None, :]
+    start = pos.new_zeros(1)
+    if start_positions is not None:
+        start = start_positions.long()
+    if tensor_format == "sbhd":
+        return pos[:, None] + start[None, :]
+    return start[:, None] + pos[None, :]
 
 
-def rope_reference(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None,
-                   start_positions=None, compute_dtype=torch.float32):
-    """Plain PyTorch RoPE, the tests' oracle; ``rope_fwd``'s arguments. Computes in float32 (one rounding,
-    like the kernel); ``compute_dtype=None`` multiplies in t's dtype: TransformerEngine's unfused formula."""
+def rope_reference(
+    t,
+    freqs,
+    tensor_format="sbhd",
+    interleaved=False,
+    cu_seqlens=None,
+    start_positions=None,
+    compute_dtype=torch.float32,
+):
+    """Plain PyTorch RoPE, the tests' oracle; ``rope_fwd``'s arguments. Computes in float32 (one
+    rounding, like the kernel); ``compute_dtype=None`` multiplies in t's dtype: TransformerEngine's
+    unfused formula."""
     d2 = freqs.shape[-1]
     pos = _token_positions(t, tensor_format, cu_seqlens, start_positions)
-    angles = freqs.reshape(freqs.shape[0], d2)[pos].unsqueeze(-2)  # [..., 1, d2]: one row per token
+    angles = freqs.reshape(freqs.shape[0], d2)[pos].unsqueeze(-2)  # [..., 1, d2]: a row a token
     dtype = compute_dtype or t.dtype
-    x, x_pass = t[..., :d2].to(dtype), t[..., d2:]
-    x_a, x_b = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
-    x_rot = torch.stack((-x_b, x_a), dim=-1).flatten(-2) if interleaved else torch.cat((-x_b, x_a), dim=-1)
+    x = t[..., :d2].to(dtype)
+    if interleaved:
+        x_rot = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        x_a, x_b = x.chunk(2, dim=-1)
+        x_rot = torch.cat((-x_b, x_a), dim=-1)
     y = x * angles.cos().to(dtype) + x_rot * angles.sin().to(dtype)
-    return torch.cat((y.to(t.dtype), x_pass), dim=-1)
+    return torch.cat((y.to(t.dtype), t[..., d2:]), dim=-1)
 
 
 # %%
 # Memory traffic
 # --------------
-# Any implementation reads and writes the N elements of q and k once, plus the angle rows (4*d2 bytes a position,
-# shared through L2 by the batch). With a small batch the table counts: at (b, s, h, d) = (1, 32768, 8, 128) in
-# bf16, q and k move 128 MB and the float32 table 16 MB, a cap of 128/144 = 89% of a copy. Real tables have equal
-# halves, so the kernel reads one half when a flag says so (cap 128/136 = 94%); any other table works at full cost.
-# The eager formula moves x*cos (N read, N written), R(x) (N, N), R(x)*sin (N, N) and the sum (2N, N): 9N, ~4.5x
-# the 2N of one pass. The yardstick is a device-to-device copy of the same 2N (the table is not counted).
+# Any implementation reads and writes the N elements of q and k once, plus the angle rows (4 d2
+# bytes a position, shared through L2 by the batch and the heads). With a small batch the table
+# counts: at (b, s, h, d) = (1, 32768, 8, 128) in bf16, q and k are 64 MiB each, read and written:
+# 256 MiB; the float32 table [32768, 128] is 16 MiB, so a kernel that reads it whole can reach at
+# most 256/272 = 94% of a copy of q and k. Real tables have equal halves, so the kernel reads one
+# half when a flag says so: 8 MiB, a cap of 256/264 = 97%. Any other table works at full cost.
+# The eager formula moves x*cos (N read, N written), R(x) (N, N), R(x)*sin (N, N) and the sum (2N,
+# N): 9N, ~4.5x the 2N of one pass. The yardstick is a device-to-device copy of the same 2N (the
+# table not counted): results/02_rope_fwd_H100.md shows how close the kernel comes.
 #
 # The kernel
 # ----------
-# One program takes BLOCK_S tokens of one sequence and all heads of q and k, BLOCK_H at a time (any head count):
-# cos and sin, which depend on the position only, are taken once for every head. Each tile is read and written
-# once, in contiguous loads (_load_pairs); pass-through channels (d2 < d) are copied. Offsets come from the strides,
-# in int64 (views, tensors past 2**31 elements). In thd, cu_seqlens maps the batch index to a sequence and the batch
-# stride is 0: one kernel for three layouts.
+# A program takes BLOCK_S tokens of one sequence and all heads of q and k, BLOCK_H at a time (any
+# head count): cos and sin, which depend on the position only, are taken once for every head. Each
+# tile is read and written once, in contiguous loads (_load_pairs); pass-through channels (d2 < d)
+# are copied. Offsets come from the strides, in int64 (views, tensors past 2**31 elements). In thd,
+# cu_seqlens maps the batch index to a sequence and the batch stride is 0: one kernel for three
+# layouts.
 
 
 @triton.jit
-def _load_pairs(x_tile, stride_d, mask, rot_dim, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-                HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+def _load_pairs(
+    x_tile,
+    stride_d,
+    mask,
+    rot_dim,
+    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
     """Load the rotated channels of a [BLOCK_S, BLOCK_H] tile of heads as (x_a, x_b), float32."""
     if INTERLEAVED:  # one contiguous load of d2 channels, split into even and odd in registers
         j = tl.arange(0, 2 * HALF)[None, None, :]
@@ -136,15 +181,33 @@ def _load_pairs(x_tile, stride_d, mask, rot_dim, BLOCK_S: tl.constexpr, BLOCK_H:
 
 
 @triton.jit
-def _store_rotated(y_tile, stride_d, mask, x_a, x_b, cos_a, sin_a, cos_b, sin_b, rot_dim, BLOCK_S: tl.constexpr,
-                   BLOCK_H: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """y_a = x_a cos(f_a) - x_b sin(f_a), y_b = x_b cos(f_b) + x_a sin(f_b), stored where x came from."""
+def _store_rotated(
+    y_tile,
+    stride_d,
+    mask,
+    x_a,
+    x_b,
+    cos_a,
+    sin_a,
+    cos_b,
+    sin_b,
+    rot_dim,
+    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """y_a = x_a cos(f_a) - x_b sin(f_a), y_b = x_b cos(f_b) + x_a sin(f_b), stored where x came
+    from."""
     y_a = (x_a * cos_a - x_b * sin_a).to(y_tile.dtype.element_ty)
     y_b = (x_b * cos_b + x_a * sin_b).to(y_tile.dtype.element_ty)
     if INTERLEAVED:
         j = tl.arange(0, 2 * HALF)[None, None, :]
-        tl.store(y_tile + j * stride_d, tl.reshape(tl.join(y_a, y_b), (BLOCK_S, BLOCK_H, 2 * HALF)),
-                 mask=mask & (j < rot_dim))
+        tl.store(
+            y_tile + j * stride_d,
+            tl.reshape(tl.join(y_a, y_b), (BLOCK_S, BLOCK_H, 2 * HALF)),
+            mask=mask & (j < rot_dim),
+        )
     else:
         a = tl.arange(0, HALF)[None, None, :]
         m = mask & (a < rot_dim // 2)
@@ -153,7 +216,9 @@ def _store_rotated(y_tile, stride_d, mask, x_a, x_b, cos_a, sin_a, cos_b, sin_b,
 
 
 @triton.jit
-def _copy_pass_through(x_tile, y_tile, stride_xd, stride_yd, mask, head_dim, rot_dim, PASS: tl.constexpr):
+def _copy_pass_through(
+    x_tile, y_tile, stride_xd, stride_yd, mask, head_dim, rot_dim, PASS: tl.constexpr
+):
     p = rot_dim + tl.arange(0, PASS)[None, None, :]
     m = mask & (p < head_dim)
     tl.store(y_tile + p * stride_yd, tl.load(x_tile + p * stride_xd, mask=m), mask=m)
@@ -161,16 +226,55 @@ def _copy_pass_through(x_tile, y_tile, stride_xd, stride_yd, mask, head_dim, rot
 
 @triton.jit
 def rope_fwd_kernel(
-    q_ptr, q_out_ptr, k_ptr, k_out_ptr, freqs_ptr, angles_shared_ptr, cu_seqlens_ptr, start_positions_ptr,
-    n_batch, n_seq_blocks, seqlen, n_q_heads, n_k_heads, head_dim, rot_dim, n_positions,
-    stride_qb, stride_qs, stride_qh, stride_qd, stride_qob, stride_qos, stride_qoh, stride_qod,
-    stride_kb, stride_ks, stride_kh, stride_kd, stride_kob, stride_kos, stride_koh, stride_kod, stride_fs, stride_fd,
-    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr, N_HEAD_BLOCKS: tl.constexpr,
-    INTERLEAVED: tl.constexpr, IS_THD: tl.constexpr, HAS_START_POSITIONS: tl.constexpr, HAS_K: tl.constexpr,
-    COPY_PASS: tl.constexpr, BATCH_FASTEST: tl.constexpr,
+    q_ptr,
+    q_out_ptr,
+    k_ptr,
+    k_out_ptr,
+    freqs_ptr,
+    angles_shared_ptr,
+    cu_seqlens_ptr,
+    start_positions_ptr,
+    n_batch,
+    n_seq_blocks,
+    seqlen,
+    n_q_heads,
+    n_k_heads,
+    head_dim,
+    rot_dim,
+    n_positions,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_qob,
+    stride_qos,
+    stride_qoh,
+    stride_qod,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_kob,
+    stride_kos,
+    stride_koh,
+    stride_kod,
+    stride_fs,
+    stride_fd,
+    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    N_HEAD_BLOCKS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    IS_THD: tl.constexpr,
+    HAS_START_POSITIONS: tl.constexpr,
+    HAS_K: tl.constexpr,
+    COPY_PASS: tl.constexpr,
+    BATCH_FASTEST: tl.constexpr,
 ):
-    # A 1-D grid, numbered so that programs running side by side touch neighbouring memory: in
-    # sbhd the batch index moves fastest, in bshd and thd the position does.
+    # A 1-D grid of n_batch x n_seq_blocks programs, numbered so that programs running side by side
+    # touch neighbouring memory: in sbhd the batch index moves fastest, in bshd and thd the block of
+    # positions does.
     pid = tl.program_id(0)
     if BATCH_FASTEST:
         pid_s, batch = pid // n_batch, pid % n_batch
@@ -188,81 +292,272 @@ def rope_fwd_kernel(
     if HAS_START_POSITIONS:
         pos = s + tl.load(start_positions_ptr + batch)
 
-    # The angles of these tokens, turned into cos/sin once for every q and k head. When the table's halves
-    # are equal (the flag), the second half is not loaded: a masked-off load moves no bytes.
+    # The angles of these tokens, turned into cos/sin once for every q and k head. When the table's
+    # halves are equal (the flag), the second half is not loaded: a masked-off load moves no bytes.
     i = tl.arange(0, HALF)
     if INTERLEAVED:
         f_a, f_b = 2 * i, 2 * i + 1
     else:
         f_a, f_b = i, i + rot_dim // 2
-    f_mask = (row_mask & (pos < n_positions))[:, None] & (i < rot_dim // 2)[None, :]  # no row past the table
+    f_mask = (row_mask & (pos < n_positions))[:, None] & (i < rot_dim // 2)[
+        None, :
+    ]  # no row past the table
     f_rows = freqs_ptr + pos.to(tl.int64)[:, None] * stride_fs
     angle_a = tl.load(f_rows + f_a[None, :] * stride_fd, mask=f_mask, other=0.0)
     read_b = tl.load(angles_shared_ptr + 0 * i)[None, :] == 0  # the flag, one copy per lane
     angle_b = tl.load(f_rows + f_b[None, :] * stride_fd, mask=f_mask & read_b, other=0.0)
-    angle_a, angle_b = angle_a[:, None, :], tl.where(read_b, angle_b, angle_a)[:, None, :]
+    angle_b = tl.where(read_b, angle_b, angle_a)[:, None, :]
+    angle_a = angle_a[:, None, :]
     cos_a, sin_a = tl.cos(angle_a), tl.sin(angle_a)
     cos_b, sin_b = tl.cos(angle_b), tl.sin(angle_b)
 
     # Row offsets in int64 (thd passes batch strides of 0), as [BLOCK_S, 1, 1] for the tiles.
     tokens = (first_token + s).to(tl.int64)[:, None, None]
     batch = batch.to(tl.int64)
-    q_rows, q_out_rows = q_ptr + batch * stride_qb + tokens * stride_qs, q_out_ptr + batch * stride_qob + tokens * stride_qos
-    k_rows, k_out_rows = k_ptr + batch * stride_kb + tokens * stride_ks, k_out_ptr + batch * stride_kob + tokens * stride_kos
+    q_rows = q_ptr + batch * stride_qb + tokens * stride_qs
+    q_out_rows = q_out_ptr + batch * stride_qob + tokens * stride_qos
+    k_rows = k_ptr + batch * stride_kb + tokens * stride_ks
+    k_out_rows = k_out_ptr + batch * stride_kob + tokens * stride_kos
     rows = row_mask[:, None, None]
-    # Walk the heads BLOCK_H at a time, each step issuing every load (q and k) before its first store:
-    # the compiler may not move a load above a store that could alias it, so this order keeps two tiles
-    # in flight instead of one. Unrolled (static_range), the first tiles' loads need not wait for the
-    # angle loads and the cos/sin above: their latencies overlap.
+    # Walk the heads BLOCK_H at a time, each step issuing every load (q and k) before its first
+    # store: the compiler may not move a load above a store that could alias it, so this order keeps
+    # two tiles in flight instead of one. Unrolled (static_range), the first tiles' loads need not
+    # wait for the angle loads and the cos/sin above: their latencies overlap.
     for hb in tl.static_range(N_HEAD_BLOCKS):
         h = (hb * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[None, :, None]
         q_mask = rows & (h < n_q_heads)
-        q_a, q_b = _load_pairs(q_rows + h * stride_qh, stride_qd, q_mask, rot_dim, BLOCK_S, BLOCK_H, HALF, INTERLEAVED)
+        q_a, q_b = _load_pairs(
+            q_rows + h * stride_qh, stride_qd, q_mask, rot_dim, BLOCK_S, BLOCK_H, HALF, INTERLEAVED
+        )
         if HAS_K:
             k_mask = rows & (h < n_k_heads)
-            k_a, k_b = _load_pairs(k_rows + h * stride_kh, stride_kd, k_mask, rot_dim, BLOCK_S, BLOCK_H, HALF, INTERLEAVED)
-        _store_rotated(q_out_rows + h * stride_qoh, stride_qod, q_mask, q_a, q_b, cos_a, sin_a, cos_b, sin_b,
-                       rot_dim, BLOCK_S, BLOCK_H, HALF, INTERLEAVED)
+            k_a, k_b = _load_pairs(
+                k_rows + h * stride_kh,
+                stride_kd,
+                k_mask,
+                rot_dim,
+                BLOCK_S,
+                BLOCK_H,
+                HALF,
+                INTERLEAVED,
+            )
+        _store_rotated(
+            q_out_rows + h * stride_qoh,
+            stride_qod,
+            q_mask,
+            q_a,
+            q_b,
+            cos_a,
+            sin_a,
+            cos_b,
+            sin_b,
+            rot_dim,
+            BLOCK_S,
+            BLOCK_H,
+            HALF,
+            INTERLEAVED,
+        )
         if HAS_K:
-            _store_rotated(k_out_rows + h * stride_koh, stride_kod, k_mask, k_a, k_b, cos_a, sin_a, cos_b,
-                           sin_b, rot_dim, BLOCK_S, BLOCK_H, HALF, INTERLEAVED)
+            _store_rotated(
+                k_out_rows + h * stride_koh,
+                stride_kod,
+                k_mask,
+                k_a,
+                k_b,
+                cos_a,
+                sin_a,
+                cos_b,
+                sin_b,
+                rot_dim,
+                BLOCK_S,
+                BLOCK_H,
+                HALF,
+                INTERLEAVED,
+            )
         if COPY_PASS:  # channels d2: pass through unchanged
-            _copy_pass_through(q_rows + h * stride_qh, q_out_rows + h * stride_qoh, stride_qd, stride_qod, q_mask,
-                               head_dim, rot_dim, PASS)
+            _copy_pass_through(
+                q_rows + h * stride_qh,
+                q_out_rows + h * stride_qoh,
+                stride_qd,
+                stride_qod,
+                q_mask,
+                head_dim,
+                rot_dim,
+                PASS,
+            )
             if HAS_K:
-                _copy_pass_through(k_rows + h * stride_kh, k_out_rows + h * stride_koh, stride_kd, stride_kod,
-                                   k_mask, head_dim, rot_dim, PASS)
+                _copy_pass_through(
+                    k_rows + h * stride_kh,
+                    k_out_rows + h * stride_koh,
+                    stride_kd,
+                    stride_kod,
+                    k_mask,
+                    head_dim,
+                    rot_dim,
+                    PASS,
+                )
 
 
 # %%
-# The wrapper: argument checks, then one launch
-# ---------------------------------------------
-# A bad argument fails here with a message naming it, never inside the kernel or as a wrong result. Reading the
-# values of cu_seqlens and start_positions costs a host sync; q, k and every layer of a batch share those tensors,
-# so the verdict is kept for the last tensors seen (by identity and version counter, which in-place writes bump),
-# as is the table's "halves equal" flag: a batch pays once.
-#
-# On small tensors the GPU waits for the host: the kernel runs for microseconds, the Python before its launch for
-# longer. Triton's ``kernel[grid](...)`` binds and specializes its 45 arguments on every call, and our checks and
-# launch parameters would be rebuilt each time, yet all of it depends only on the call's signature (the tensors'
-# shapes, strides, dtypes, devices and 16-byte alignment, on which Triton specializes pointers): so the checks run
-# once per signature, and later calls launch the compiled kernel directly.
-#
-# Under torch.compile the launch is a torch.library.custom_op that writes its outputs (mutates_args), one opaque
-# node for fullgraph=True. A graph must not sync, so compiled calls skip the value checks, and in thd the grid
-# covers a bound on the longest sequence, min(tokens, rows of freqs): programs past a sequence's end return at once.
+# The launch
+# ----------
+# One token a program (BLOCK_S = 1), its heads in about four unrolled steps of BLOCK_H, two warps
+# (four for big tiles): many small programs keep the most bytes in flight per multiprocessor (the
+# sweep of BLOCK_S x BLOCK_H x warps: results/02_rope_fwd_sweep.log). So n_seq_blocks, the blocks
+# of BLOCK_S tokens of a sequence, is the sequence length. The grid needs the longest sequence: in
+# thd, on the host, that is one sync to read cu_seqlens (Part 2 remembers it).
 
-_checked, _launches, _last_results = {}, {}, {}
+
+def _layout(t, tensor_format):
+    """t's (batch, seqlen, heads, head_dim) and its strides in that order; thd: batch None, batch
+    stride 0 (a sequence's rows are found through cu_seqlens)."""
+    if tensor_format == "thd":
+        return (None, *t.shape), (0, *t.stride())
+    order = (1, 0, 2, 3) if tensor_format == "sbhd" else (0, 1, 2, 3)
+    return tuple(t.shape[i] for i in order), tuple(t.stride(i) for i in order)
+
+
+def _pow2(n):  # plain Python: triton.next_power_of_2 is slow on the host in Triton 3.9
+    return 1 << (n - 1).bit_length()
+
+
+def rope_fwd_launch_args(
+    q,
+    q_out,
+    k,
+    k_out,
+    freqs,
+    angles_shared,
+    cu_seqlens,
+    start_positions,
+    seqlen,
+    tensor_format,
+    interleaved,
+):
+    """rope_fwd_kernel's launch as (grid, tensors, scalars, constexprs), for
+    ``rope_fwd_kernel[grid](*tensors, *scalars, **constexprs)``: RoPE(q) into q_out and RoPE(k)
+    into k_out. k, cu_seqlens and start_positions may be None; seqlen: the longest sequence (or a
+    bound on it); angles_shared: int32 [1], 1 if the table's halves are equal."""
+    has_k = k is not None
+    if not has_k:  # q and q_out stand in: never read (HAS_K)
+        k = q
+        k_out = q_out
+    tensors = (q, q_out, k, k_out, freqs, angles_shared, cu_seqlens, start_positions)
+    tensors = tuple(freqs if x is None else x for x in tensors)  # freqs stands in: never read
+    (batch, _, _, head_dim), q_strides = _layout(q, tensor_format)
+    if tensor_format == "thd":
+        batch = cu_seqlens.numel() - 1
+    rot_dim = freqs.shape[3]
+    n_q_heads = q.shape[-2]
+    n_k_heads = k.shape[-2]
+    BLOCK_S = 1
+    n_seq_blocks = triton.cdiv(seqlen, BLOCK_S)
+    BLOCK_H = max(1, _pow2(max(n_q_heads, n_k_heads)) // 4)  # the heads in about four steps
+    HALF = _pow2(rot_dim // 2)
+    grid = (batch * n_seq_blocks,)
+    scalars = (
+        batch,
+        n_seq_blocks,
+        seqlen,
+        n_q_heads,
+        n_k_heads,
+        head_dim,
+        rot_dim,
+        freqs.shape[0],  # n_positions: rows of the table
+        *q_strides,
+        *_layout(q_out, tensor_format)[1],
+        *_layout(k, tensor_format)[1],
+        *_layout(k_out, tensor_format)[1],
+        freqs.stride(0),
+        freqs.stride(3),
+    )
+    constexprs = dict(
+        BLOCK_S=BLOCK_S,
+        BLOCK_H=BLOCK_H,
+        HALF=HALF,
+        PASS=_pow2(max(head_dim - rot_dim, 1)),
+        N_HEAD_BLOCKS=triton.cdiv(max(n_q_heads, n_k_heads), BLOCK_H),
+        INTERLEAVED=interleaved,
+        IS_THD=tensor_format == "thd",
+        HAS_START_POSITIONS=start_positions is not None,
+        HAS_K=has_k,
+        COPY_PASS=rot_dim < head_dim,
+        BATCH_FASTEST=tensor_format == "sbhd",
+        num_warps=2 if BLOCK_H * HALF <= 128 else 4,  # a launch option, not a kernel argument
+    )
+    return grid, tensors, scalars, constexprs
+
+
+def launch_rope_fwd(
+    q, k, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None, start_positions=None
+):
+    """RoPE of q and k (k may be None) in one launch, into new contiguous tensors; arguments as
+    rope_fwd_qk's, unchecked. Returns (q_out, k_out). It reads both angles of every pair (right
+    for any table); Part 2 tells the kernel when the halves are equal, so that it reads one."""
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    k_out = None
+    if k is not None:
+        k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+    seqlen = _layout(q, tensor_format)[0][1]
+    if tensor_format == "thd":  # the longest sequence: a host sync
+        seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    angles_shared = torch.zeros(1, dtype=torch.int32, device=q.device)  # read both angles
+    grid, tensors, scalars, constexprs = rope_fwd_launch_args(
+        q,
+        q_out,
+        k,
+        k_out,
+        freqs,
+        angles_shared,
+        cu_seqlens,
+        start_positions,
+        seqlen,
+        tensor_format,
+        interleaved,
+    )
+    rope_fwd_kernel[grid](*tensors, *scalars, **constexprs)
+    return q_out, k_out
+
+
+# %% Part 2 - the drop-in
+# Part 1's kernel as the public rope_fwd and rope_fwd_qk. Each piece, and what it buys (the host
+# cost of an eager call: results/host_cost.py and its pages):
+# - argument checks, once per call signature: a bad argument fails with a message naming it, never
+#   inside the kernel or as a wrong result, and a good one is not checked again;
+# - values read once per tensor: cu_seqlens and start_positions cost a host sync to check; q, k
+#   and every layer of a batch share them, so the verdict (and the longest sequence) is kept for
+#   the last tensors seen, by identity and version counter, which in-place writes bump; so is the
+#   table's "halves equal" flag, computed on the device;
+# - the launch cache around rope_fwd_launch_args: Triton's ``kernel[grid](...)`` binds and
+#   specializes its 45 arguments on every call, yet all of it depends on the signature only (the
+#   tensors' shapes, strides, dtypes, devices and 16-byte alignment, on which Triton specializes
+#   pointers); a signature's later calls go straight to the compiled kernel;
+# - a torch.library.custom_op that writes its outputs (mutates_args): one opaque node for
+#   torch.compile(fullgraph=True). A graph must not sync, so compiled calls skip the value checks,
+#   and in thd the grid covers a bound on the longest sequence, min(tokens, rows of freqs):
+#   programs past a sequence's end return at once.
+
+_checked = {}
+_launches = {}
+_last_results = {}
 
 
 def _signature(*args):
-    """Each tensor's shape, strides, dtype, device and alignment; any other argument with its type."""
-    return tuple([(x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16) if isinstance(x, torch.Tensor)
-                  else (type(x), x) for x in args])
+    """Each tensor's shape, strides, dtype, device and alignment; any other argument with its
+    type."""
+    return tuple(  # of a list: faster than of a generator
+        [
+            (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16)
+            if isinstance(x, torch.Tensor)
+            else (type(x), x)
+            for x in args
+        ]
+    )
 
 
 def _once(cache, key, compute):
-    """compute(), once per key; not kept if it raised (or the key is unhashable: a bad argument, named by the check)."""
+    """compute(), once per key; not kept if it raised (or the key is unhashable: a bad argument,
+    named by the check)."""
     try:
         return cache[key]
     except (KeyError, TypeError):
@@ -273,21 +568,8 @@ def _once(cache, key, compute):
     return value
 
 
-def _launch_cached(kernel, key, tensors, plan):
-    """kernel[grid](*tensors, *scalars, **constexprs) with (grid, scalars, constexprs) = plan(): the first call with a
-    key goes through Triton, later ones straight to the compiled kernel (key False, or the interpreter: always Triton)."""
-    launch = key and _launches.get((kernel, key))
-    if launch:
-        return launch[0](*tensors, *launch[1])
-    grid, scalars, constexprs = plan()
-    compiled = kernel[grid](*tensors, *scalars, **constexprs)
-    if key and isinstance(compiled, triton.compiler.CompiledKernel):  # it takes all arguments in order, constexprs too
-        _once(_launches, (kernel, key), lambda: (compiled[(*grid, 1, 1)[:3]], (*scalars, *[
-            constexprs[name] for name in kernel.arg_names if name in constexprs])))
-
-
 def _remember(what, tensors, extra_key, compute):
-    """compute(), or its result for the same tensors last time (same identity and version counter)."""
+    """compute(), or its result for the same tensors at the same versions last time."""
     key = tuple((id(x), x._version) for x in tensors) + extra_key
     last = _last_results.get(what)
     if last is None or last[0] != key or not all(ref() is x for ref, x in zip(last[1], tensors)):
@@ -296,171 +578,251 @@ def _remember(what, tensors, extra_key, compute):
 
 
 def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
-    """Check the values of cu_seqlens and start_positions (a host sync); return the longest sequence."""
+    """Check the values of cu_seqlens and start_positions (a host sync); return the longest
+    sequence."""
     if cu_seqlens is not None:
         cu = cu_seqlens.tolist()
         if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}...")
         if cu[-1] != n_tokens:
-            raise ValueError(f"cu_seqlens[-1] = {cu[-1]} must equal the number of tokens of t, {n_tokens}")
+            raise ValueError(
+                f"cu_seqlens[-1] = {cu[-1]} must equal the number of tokens of t, {n_tokens}"
+            )
         lengths = [b - a for a, b in zip(cu, cu[1:])]
     else:
         lengths = [seqlen] * start_positions.numel()
-    starts = start_positions.tolist() if start_positions is not None else [0] * len(lengths)
+    starts = [0] * len(lengths)
+    if start_positions is not None:
+        starts = start_positions.tolist()
     if min(starts, default=0) < 0:
         raise ValueError(f"start_positions must be >= 0, got {min(starts)}")
     needed = max((s + n for s, n in zip(starts, lengths)), default=0)
     if needed > max_positions:
-        raise ValueError(f"positions up to {needed - 1} are needed (start_positions + sequence length) "
-                         f"but freqs has only {max_positions} rows (s2)")
+        raise ValueError(
+            f"positions up to {needed - 1} are needed (start_positions + sequence length) "
+            f"but freqs has only {max_positions} rows (s2)"
+        )
     return max(lengths, default=0)
 
 
+def _halves_equal(freqs, interleaved):  # traced into the graph under torch.compile
+    if interleaved:
+        f_a, f_b = freqs[..., 0::2], freqs[..., 1::2]
+    else:
+        f_a, f_b = freqs.chunk(2, dim=-1)
+    return (f_a == f_b).all().to(torch.int32).reshape(1)
+
+
 def _angles_shared(freqs, interleaved):
-    """int32 [1], computed on the device: 1 if f_b == f_a everywhere (the kernel then reads half the table)."""
-    def compute():  # traced into the graph under torch.compile; the memo is eager-only
-        f_a, f_b = (freqs[..., 0::2], freqs[..., 1::2]) if interleaved else freqs.chunk(2, dim=-1)
-        return (f_a == f_b).all().to(torch.int32).reshape(1)
-    return compute() if torch.compiler.is_compiling() else _remember("angles shared", (freqs,), (interleaved,), compute)
-
-
-def _layout(t, tensor_format):
-    """(batch, seqlen, heads, head_dim) and the strides in that order; thd has batch stride 0."""
-    if tensor_format == "thd":
-        return (None, *t.shape), (0, *t.stride())
-    order = (1, 0, 2, 3) if tensor_format == "sbhd" else (0, 1, 2, 3)
-    return tuple(t.shape[i] for i in order), tuple(t.stride(i) for i in order)
-
-
-def _next_pow2(n):  # plain Python: triton.next_power_of_2 is slow on the host in Triton 3.9
-    return 1 << (n - 1).bit_length()
+    """int32 [1], computed on the device: 1 if f_b == f_a everywhere (the kernel then reads half
+    the table); remembered per table in eager mode."""
+    if torch.compiler.is_compiling():
+        return _halves_equal(freqs, interleaved)
+    compute = functools.partial(_halves_equal, freqs, interleaved)
+    return _remember("angles shared", (freqs,), (interleaved,), compute)
 
 
 def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions):
-    """The checks that read no tensor's values. Returns the sequence length and whether some channels pass through."""
+    """The checks that read no tensor's values. Returns the sequence length."""
     if tensor_format not in TENSOR_FORMATS:
         raise ValueError(f"tensor_format must be one of {TENSOR_FORMATS}, got {tensor_format!r}")
-    rank, t = 3 if tensor_format == "thd" else 4, tensors[0]
+    rank = 3 if tensor_format == "thd" else 4
+    t = tensors[0]
     for x, name in zip(tensors, names):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
         if x.dim() != rank:
-            raise ValueError(f"{name} must have {rank} dims for tensor_format='{tensor_format}', got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{name} must have {rank} dims for tensor_format='{tensor_format}', "
+                f"got shape {tuple(x.shape)}"
+            )
     if not isinstance(freqs, torch.Tensor):
         raise TypeError(f"freqs must be a torch.Tensor, got {type(freqs).__name__}")
     if freqs.dtype != torch.float32:
-        raise TypeError(f"freqs must be float32 angles (cos/sin are taken inside the kernel), got {freqs.dtype}")
+        raise TypeError(
+            f"freqs must be float32 angles (cos/sin are taken inside the kernel), got {freqs.dtype}"
+        )
     if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
         raise ValueError(f"freqs must have shape [s2, 1, 1, d2], got {tuple(freqs.shape)}")
     (batch, seqlen, _, head_dim), _ = _layout(t, tensor_format)
-    max_positions, rot_dim = freqs.shape[0], freqs.shape[3]
+    max_positions = freqs.shape[0]
+    rot_dim = freqs.shape[3]
     if rot_dim % 2 or not 2 <= rot_dim <= head_dim:
-        raise ValueError(f"freqs' last dim d2 = {rot_dim} must be even and between 2 and the head dim {head_dim}")
+        raise ValueError(
+            f"freqs' last dim d2 = {rot_dim} must be even and between 2 and the head dim {head_dim}"
+        )
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head dim {head_dim} is over the supported {MAX_HEAD_DIM}")
     for x, name in zip(tensors[1:], names[1:]):
         (xb, xs, _, xd), _ = _layout(x, tensor_format)
         if x.dtype != t.dtype or (xb, xs, xd) != (batch, seqlen, head_dim):
-            raise ValueError(f"{name} must match q in dtype and in every dim but heads: got {tuple(x.shape)} "
-                             f"{x.dtype}, q is {tuple(t.shape)} {t.dtype}")
-    for x, name in [*zip(tensors, names), (freqs, "freqs"), (cu_seqlens, "cu_seqlens"),
-                    (start_positions, "start_positions")]:
+            raise ValueError(
+                f"{name} must match q in dtype and in every dim but heads: got {tuple(x.shape)} "
+                f"{x.dtype}, q is {tuple(t.shape)} {t.dtype}"
+            )
+    others = [(freqs, "freqs"), (cu_seqlens, "cu_seqlens"), (start_positions, "start_positions")]
+    for x, name in [*zip(tensors, names), *others]:
         if isinstance(x, torch.Tensor) and x.device != t.device:
             raise ValueError(f"{name} is on {x.device} but {names[0]} is on {t.device}")
     if tensor_format == "thd":
         if cu_seqlens is None:
             raise ValueError("cu_seqlens is required for tensor_format='thd'")
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32:
-            raise TypeError(f"cu_seqlens must be an int32 tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
+            got = getattr(cu_seqlens, "dtype", type(cu_seqlens))
+            raise TypeError(f"cu_seqlens must be an int32 tensor, got {got}")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must have shape [b + 1] with b >= 1, got {tuple(cu_seqlens.shape)}")
+            raise ValueError(
+                f"cu_seqlens must have shape [b + 1] with b >= 1, got {tuple(cu_seqlens.shape)}"
+            )
         batch = cu_seqlens.numel() - 1
     elif cu_seqlens is not None:
-        raise ValueError(f"cu_seqlens is only for tensor_format='thd', got tensor_format={tensor_format!r}")
+        raise ValueError(
+            f"cu_seqlens is only for tensor_format='thd', got tensor_format={tensor_format!r}"
+        )
     elif seqlen > max_positions:
         raise ValueError(f"sequence length {seqlen} is over the {max_positions} rows (s2) of freqs")
     if start_positions is not None:
-        if not isinstance(start_positions, torch.Tensor) or start_positions.dtype not in (torch.int32, torch.int64):
+        int_types = (torch.int32, torch.int64)
+        if not isinstance(start_positions, torch.Tensor) or start_positions.dtype not in int_types:
             raise TypeError("start_positions must be an int32 or int64 tensor")
         if start_positions.shape != (batch,):
-            raise ValueError(f"start_positions must have shape [b] = [{batch}], got {tuple(start_positions.shape)}")
-    return seqlen, rot_dim < head_dim
+            raise ValueError(
+                f"start_positions must have shape [b] = [{batch}], "
+                f"got {tuple(start_positions.shape)}"
+            )
+    return seqlen
+
+
+def _launch_cached(key, q, q_out, k, k_out, *args):
+    """rope_fwd_launch_args' launch (the same arguments), remembered by key: a key's first call
+    goes through Triton, later ones straight to the compiled kernel with the remembered scalars
+    and constexprs (in the interpreter, always through Triton)."""
+    launch = _launches.get(key)
+    if launch is not None:
+        compiled, scalars = launch
+        if k is None:
+            k = q
+            k_out = q_out
+        freqs, angles_shared, cu_seqlens, start_positions = args[:4]
+        tensors = (q, q_out, k, k_out, freqs, angles_shared, cu_seqlens, start_positions)
+        compiled(*[freqs if x is None else x for x in tensors], *scalars)
+        return
+    grid, tensors, scalars, constexprs = rope_fwd_launch_args(q, q_out, k, k_out, *args)
+    compiled = rope_fwd_kernel[grid](*tensors, *scalars, **constexprs)
+    if isinstance(compiled, triton.compiler.CompiledKernel):
+
+        def remembered():  # the compiled kernel takes every argument in order, constexprs too
+            names = [name for name in rope_fwd_kernel.arg_names if name in constexprs]
+            values = [constexprs[name] for name in names]
+            return compiled[(*grid, 1, 1)], (*scalars, *values)
+
+        _once(_launches, key, remembered)
+
+
+def _launch(
+    q: torch.Tensor,
+    q_out: torch.Tensor,
+    k: Optional[torch.Tensor],
+    k_out: Optional[torch.Tensor],
+    freqs: torch.Tensor,
+    angles_shared: torch.Tensor,
+    cu_seqlens: Optional[torch.Tensor],
+    start_positions: Optional[torch.Tensor],
+    seqlen: int,
+    tensor_format: str,
+    interleaved: bool,
+) -> None:
+    """Write RoPE(q) into q_out (and RoPE(k) into k_out): the op's body."""
+    args = (q, q_out, k, k_out, freqs, angles_shared, cu_seqlens, start_positions, seqlen)
+    key = (*_signature(*args), tensor_format, interleaved)
+    _launch_cached(key, *args, tensor_format, interleaved)
+
+
+def _register():
+    """_launch as the op rope_fwd_tutorial::rope (a fresh name if this file was loaded before),
+    writing into the outputs that it is given."""
+    n = 0
+    while hasattr(torch.ops.rope_fwd_tutorial, f"rope{n or ''}"):
+        n += 1
+    op = torch.library.custom_op(
+        f"rope_fwd_tutorial::rope{n or ''}", _launch, mutates_args=("q_out", "k_out")
+    )
+
+    @op.register_fake
+    def _(*args):  # writes its outputs, returns nothing
+        return None
+
+    return op
+
+
+_rope_op = _register()
 
 
 def _rope(tensors, freqs, tensor_format, interleaved, cu_seqlens, start_positions):
-    names, tracing = ("t",) if len(tensors) == 1 else ("q", "k"), torch.compiler.is_compiling()
-    check = lambda: _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions)  # noqa: E731
-    seqlen, partial = check() if tracing else _once(_checked, _signature(
-        *tensors, freqs, cu_seqlens, start_positions, tensor_format), check)
+    """rope_fwd and rope_fwd_qk: checks (once per signature, values once per tensor), outputs,
+    one launch."""
+    names = ("t",) if len(tensors) == 1 else ("q", "k")
+    tracing = torch.compiler.is_compiling()
+    check = functools.partial(
+        _check, tensors, names, freqs, tensor_format, cu_seqlens, start_positions
+    )
+    if tracing:
+        seqlen = check()
+    else:
+        key = _signature(*tensors, freqs, cu_seqlens, start_positions, tensor_format)
+        seqlen = _once(_checked, key, check)
     for x, name in zip(tensors, names):
-        if x.requires_grad and torch.is_grad_enabled():  # the output could not carry a gradient back to x
-            raise ValueError(f"{name} requires grad, but 02 has no backward: use 03's apply_rotary_pos_emb, or no_grad")
-    t, k, max_positions = tensors[0], tensors[1] if len(tensors) == 2 else None, freqs.shape[0]
-    if tracing:  # no host sync in a graph: values unchecked, the longest sequence bounded
-        seqlen = min(t.shape[0], max_positions) if tensor_format == "thd" else seqlen
-    elif cu_seqlens is not None or start_positions is not None:
-        checked = tuple(x for x in (cu_seqlens, start_positions) if x is not None)
-        args = (cu_seqlens, start_positions, seqlen, t.shape[0], max_positions)
-        seqlen = _remember("values checked", checked, args[2:], lambda: _read_values(*args))
-    outs = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in tensors]  # contiguous, as TE's
-    if t.numel() and seqlen:
-        args = (t, outs[0], k, outs[-1] if k is not None else None, freqs, _angles_shared(freqs, interleaved),
-                cu_seqlens, start_positions, seqlen, tensor_format, interleaved, partial)
-        (_rope_op if tracing else _launch)(*args)
+        if x.requires_grad and torch.is_grad_enabled():  # no output could carry its gradient
+            raise ValueError(
+                f"{name} requires grad, but 02 has no backward: use 03's apply_rotary_pos_emb, "
+                "or no_grad"
+            )
+    t = tensors[0]
+    k = tensors[1] if len(tensors) == 2 else None
+    max_positions = freqs.shape[0]
+    if tracing and tensor_format == "thd":  # no host sync in a graph: a bound on the longest
+        seqlen = min(t.shape[0], max_positions)
+    elif not tracing and (cu_seqlens is not None or start_positions is not None):
+        given = tuple(x for x in (cu_seqlens, start_positions) if x is not None)
+        sizes = (seqlen, t.shape[0], max_positions)
+        read = functools.partial(_read_values, cu_seqlens, start_positions, *sizes)
+        seqlen = _remember("values checked", given, sizes, read)
+    outs = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in tensors]
+    if t.numel() == 0 or seqlen == 0:
+        return outs
+    k_out = outs[1] if k is not None else None
+    args = (t, outs[0], k, k_out, freqs, _angles_shared(freqs, interleaved), cu_seqlens)
+    args += (start_positions, seqlen)
+    if tracing:
+        _rope_op(*args, tensor_format, interleaved)
+    else:  # the eager launch, past the op's dispatch; the checks' key, known, keys it too
+        _launch_cached((key, interleaved, seqlen), *args, tensor_format, interleaved)
     return outs
 
 
-def _launch(q: torch.Tensor, q_out: torch.Tensor, k: Optional[torch.Tensor], k_out: Optional[torch.Tensor],
-            freqs: torch.Tensor, angles_shared: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-            start_positions: Optional[torch.Tensor], seqlen: int, tensor_format: str, interleaved: bool,
-            copy_pass: bool) -> None:
-    """Write RoPE(q) into q_out (and RoPE(k) into k_out); seqlen: the longest sequence, or a bound on it."""
-    has_k, (k, k_out) = k is not None, (k, k_out) if k is not None else (q, q_out)
-    tensors = (q, q_out, k, k_out, freqs, angles_shared, cu_seqlens if cu_seqlens is not None else freqs,
-               start_positions if start_positions is not None else freqs)  # (freqs stands in for those absent)
-
-    def plan():  # the grid, the integer arguments and the constexprs
-        (batch, _, _, head_dim), _ = _layout(q, tensor_format)
-        batch = cu_seqlens.numel() - 1 if tensor_format == "thd" else batch
-        rot_dim, half, n_heads = freqs.shape[3], _next_pow2(freqs.shape[3] // 2), (q.shape[-2], k.shape[-2])
-        # One token per program, its heads in four unrolled steps, few warps: many small programs keep the most
-        # bytes in flight per multiprocessor (a sweep of BLOCK_S x BLOCK_H x warps: results/02_rope_fwd_sweep.log).
-        block_h = max(1, _next_pow2(max(n_heads)) // 4)
-        return (batch * seqlen,), (
-            batch, seqlen, seqlen, *n_heads, head_dim, rot_dim, freqs.shape[0],
-            *[s for x in tensors[:4] for s in _layout(x, tensor_format)[1]], freqs.stride(0), freqs.stride(3)), dict(
-            BLOCK_S=1, BLOCK_H=block_h, num_warps=2 if block_h * half <= 128 else 4, HALF=half,
-            PASS=_next_pow2(max(head_dim - rot_dim, 1)), N_HEAD_BLOCKS=-(-max(n_heads) // block_h),
-            INTERLEAVED=interleaved, IS_THD=tensor_format == "thd", HAS_START_POSITIONS=start_positions is not None,
-            HAS_K=has_k, COPY_PASS=copy_pass, BATCH_FASTEST=tensor_format == "sbhd")
-    _launch_cached(rope_fwd_kernel, _signature(q, q_out, k, k_out, freqs, cu_seqlens, start_positions, has_k, seqlen,
-                                               tensor_format, interleaved, copy_pass), tensors, plan)
-
-
-# _launch as the op rope_fwd_tutorial::rope (a fresh name if this file was loaded before), writing into the fresh
-# outputs that it is given (mutates_args).
-_name = next(f"rope{n or ''}" for n in itertools.count() if not hasattr(torch.ops.rope_fwd_tutorial, f"rope{n or ''}"))
-_rope_op = torch.library.custom_op(f"rope_fwd_tutorial::{_name}", _launch, mutates_args=("q_out", "k_out"))
-_rope_op.register_fake(lambda *args: None)
-
-
-def rope_fwd(t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None, start_positions=None):
+def rope_fwd(
+    t, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None, start_positions=None
+):
     """Apply RoPE to t in one Triton kernel (TransformerEngine's ``apply_rotary_pos_emb`` forward).
 
-    t: [s, b, h, d] (sbhd) | [b, s, h, d] (bshd) | [total_tokens, h, d] (thd); fp32/fp16/bf16, any strides, d <= 256.
-    freqs: float32 angles [s2, 1, 1, d2], d2 even, d2 <= d, s2 >= every position used. Only t[..., :d2] is rotated;
-        t[..., d2:] passes through.
+    t: [s, b, h, d] (sbhd) | [b, s, h, d] (bshd) | [total_tokens, h, d] (thd); fp32/fp16/bf16, any
+        strides, d <= 256.
+    freqs: float32 angles [s2, 1, 1, d2], d2 even, d2 <= d, s2 >= every position used. Only
+        t[..., :d2] is rotated; t[..., d2:] passes through.
     interleaved: rotate pairs (x0, x1), (x2, x3), ... (RoFormer, GPT-J) instead of halves.
-    cu_seqlens: int32 [b + 1], thd only: sequence i is tokens cu_seqlens[i]:cu_seqlens[i + 1], from position 0.
+    cu_seqlens: int32 [b + 1], thd only: sequence i is tokens cu_seqlens[i]:cu_seqlens[i + 1], from
+        position 0.
     start_positions: int [b]: sequence i uses angle rows start_positions[i] onwards (KV cache).
     Returns a new contiguous tensor. Works under torch.compile(fullgraph=True).
     """
     return _rope([t], freqs, tensor_format, interleaved, cu_seqlens, start_positions)[0]
 
 
-def rope_fwd_qk(q, k, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None, start_positions=None):
+def rope_fwd_qk(
+    q, k, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None, start_positions=None
+):
     """Apply RoPE to q and k in a single launch; k may have fewer heads than q (GQA).
 
     q: like ``rope_fwd``'s t; k: the same layout, batch, sequence and head dim, any head count.
@@ -469,126 +831,179 @@ def rope_fwd_qk(q, k, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens
     return tuple(_rope([q, k], freqs, tensor_format, interleaved, cu_seqlens, start_positions))
 
 
-# %%
-# Unit test
-# ---------
-# Irregular shapes (odd sequence lengths and head counts, head dim 80, partial rotary), random angles
-# whose halves differ, strided views, GQA: every feature at once (tests/ covers the whole matrix).
+# %% Part 3 - check and benchmark
+# The self-check runs irregular shapes (odd sequence lengths and head counts, head dim 80, partial
+# rotary), random angles whose halves differ, strided views and GQA: every feature at once
+# (tests/test_02_rope_fwd.py covers the whole matrix). The benchmark times ours three ways,
+# TransformerEngine's unfused formula eager and compiled, Liger's and flash-attention's kernels if
+# importable, against a copy of the same bytes (results/02_rope_fwd_H100.md).
 
 
 def self_check():
     torch.manual_seed(0)
     b, s, h, d = (3, 37, 5, 80) if DEVICE.type == "cuda" else (2, 7, 3, 80)
     cu_seqlens = torch.arange(0, b * s + 1, s, dtype=torch.int32, device=DEVICE)
-    for dtype, fmt, interleaved in itertools.product((torch.float32, torch.bfloat16), TENSOR_FORMATS, (False, True)):
+    dtypes = (torch.float32, torch.bfloat16)
+    for dtype, fmt, interleaved in itertools.product(dtypes, TENSOR_FORMATS, (False, True)):
         qkv = torch.randn(b, s, 3, h, d, device=DEVICE, dtype=dtype)
-        q, k = qkv[:, :, 0], qkv[:, :, 1, :2]  # strided views; k has fewer heads
-        q, k = (x.transpose(0, 1) if fmt == "sbhd" else x.flatten(0, 1) if fmt == "thd" else x for x in (q, k))
+        qkv = {"sbhd": qkv.transpose(0, 1), "bshd": qkv, "thd": qkv.flatten(0, 1)}[fmt]
+        q = qkv[..., 0, :, :]  # strided views
+        k = qkv[..., 1, :2, :]  # with fewer heads
         freqs = torch.randn(s + 4, 1, 1, 48, device=DEVICE)  # partial rotary, halves differ
-        kwargs = dict(tensor_format=fmt, interleaved=interleaved, cu_seqlens=cu_seqlens if fmt == "thd" else None,
-                      start_positions=torch.randint(0, 5, (b,), device=DEVICE))
+        start_positions = torch.randint(0, 5, (b,), device=DEVICE)
+        kwargs = dict(tensor_format=fmt, interleaved=interleaved, start_positions=start_positions)
+        if fmt == "thd":
+            kwargs["cu_seqlens"] = cu_seqlens
         for x, y in zip((q, k), rope_fwd_qk(q, k, freqs, **kwargs)):
             torch.testing.assert_close(y, rope_reference(x, freqs, **kwargs))
-    print(f"self-check passed: fp32/bf16 x sbhd/bshd/thd x half/interleaved, d={d}, d2=48, GQA, "
-          f"strided views, start_positions (device: {DEVICE.type})")
+    print(
+        f"self-check passed: fp32/bf16 x sbhd/bshd/thd x half/interleaved, d={d}, d2=48, GQA, "
+        f"strided views, start_positions (device: {DEVICE.type})"
+    )
 
 
-# %%
-# Benchmark
-# ---------
-# Ours three ways, TransformerEngine's unfused formula eager and compiled, Liger's and flash-attention's kernels if
-# importable, against a copy of the same bytes; then an eager call's host cost (results/02_rope_fwd_H100.md).
 BENCH_SHAPES = [(4, 4096, 32, 128), (32, 512, 12, 64), (1, 32768, 8, 128)]  # (b, s, h, d)
-CPU_SHAPES = [(2, 16, 4, 64)]
-TIMED = ("bf16 q and k. Each cell is GPU time, the median of `triton.testing.do_bench_cudagraph` (work replayed from a "
-         "CUDA graph), except \"ours: eager call\": the median of `triton.testing.do_bench` over ten calls in a row, per "
-         "call, host cost included. eager, torch.compile: TransformerEngine's unfused formula. (x%): the speed as a "
-         "fraction of a device-to-device copy of the same bytes, in the same run.")
+TIMED = (
+    "bf16 q and k. Each cell is GPU time, the median of `triton.testing.do_bench_cudagraph` (work "
+    'replayed from a CUDA graph), except "ours: eager call": the median of '
+    "`triton.testing.do_bench` over ten calls in a row, per call, host cost included. eager, "
+    "torch.compile: TransformerEngine's unfused formula. (x%): the speed as a fraction of a "
+    "device-to-device copy of the same bytes, in the same run. n/a: a peer not importable, or not "
+    "for this layout."
+)
 
 
-def _us(fn, eager_call=False):  # median us: a CUDA-graph replay, or ten eager calls in a row (do_bench's clearing of
-    if DEVICE.type != "cuda":  # L2 would otherwise hide their host cost); no GPU: one call, timed
+def time_us(fn, eager_call=False):
+    """Median us per call: GPU work replayed from a CUDA graph, or (eager_call) ten calls in a
+    row timed as one, so that do_bench's L2 clearing before each call cannot hide their host
+    cost. No GPU: one call, timed."""
+    if DEVICE.type != "cuda":
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e6
     if eager_call:
-        return triton.testing.do_bench(lambda: [fn() for _ in range(10)], return_mode="median") * 100
+
+        def ten_calls():
+            for _ in range(10):
+                fn()
+
+        return triton.testing.do_bench(ten_calls, return_mode="median") * 100
     return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
 
 
+def _eager(q, k, freqs, **kwargs):  # TransformerEngine's unfused formula
+    return [rope_reference(x, freqs, compute_dtype=None, **kwargs) for x in (q, k)]
+
+
+def _peers(fmt, q, k, freqs, cu_seqlens):
+    """{name: call} of the peers that are importable and take this layout, on the same q and k
+    (their tables, cos and sin in bf16, built untimed)."""
+    peers = {}
+    cos = freqs[:, 0, 0].cos().to(q.dtype)
+    sin = freqs[:, 0, 0].sin().to(q.dtype)
+    try:
+        from liger_kernel.ops.rope import rope_forward
+    except ImportError:
+        rope_forward = None
+    if rope_forward is not None and fmt == "bshd":  # in place, on [b, h, s, d] views
+        args = (q.transpose(1, 2), k.transpose(1, 2), cos[None], sin[None])
+        peers["liger (in place)"] = functools.partial(rope_forward, *args)
+    try:
+        from flash_attn.ops.triton.rotary import apply_rotary
+    except ImportError:
+        apply_rotary = None
+    if apply_rotary is not None:  # bshd, any strides, or thd; tables [s, d/2]
+        tables = (
+            cos[:, : cos.shape[1] // 2].contiguous(),
+            sin[:, : sin.shape[1] // 2].contiguous(),
+        )
+        kwargs = {}
+        if fmt == "thd":
+            kwargs = dict(cu_seqlens=cu_seqlens, max_seqlen=freqs.shape[0])
+        xs = (q, k)
+        if fmt == "sbhd":  # as [b, s, h, d] views
+            xs = (q.transpose(0, 1), k.transpose(0, 1))
+
+        def flash():
+            return [apply_rotary(x, *tables, **kwargs) for x in xs]
+
+        peers["flash-attn"] = flash
+    return peers
+
+
 def benchmark():
-    on_gpu, table, liger, flash = DEVICE.type == "cuda", [], None, None
-    eager = lambda q, k, f, **kw: [rope_reference(x, f, compute_dtype=None, **kw) for x in (q, k)]  # noqa: E731 (TE's)
-    columns = {"ours": rope_fwd_qk, "ours: eager call": rope_fwd_qk, "eager": eager}
-    if on_gpu:  # compiled per shape and layout (dynamic=False: a shape seen second would get dynamic-shape kernels)
+    """Prints each row as measured; returns the table's lines."""
+    on_gpu = DEVICE.type == "cuda"
+    columns = {"ours": rope_fwd_qk, "ours: eager call": rope_fwd_qk, "eager": _eager}
+    if on_gpu:  # compiled per shape and layout (dynamic=False: no dynamic-shape kernels)
         torch._dynamo.config.cache_size_limit = 64
-        columns.update({"ours: torch.compile": torch.compile(rope_fwd_qk, fullgraph=True, dynamic=False),
-                        "torch.compile": torch.compile(eager, fullgraph=True, dynamic=False)})
-        try:
-            from liger_kernel.ops.rope import rope_forward as liger
-        except ImportError as e:
-            print(f"(Liger-Kernel not importable, its column is skipped: {e})")
-        try:
-            from flash_attn.ops.triton.rotary import apply_rotary as flash
-        except ImportError as e:
-            print(f"(flash-attention's rotary not importable, its column is skipped: {e})")
+        columns["ours: torch.compile"] = torch.compile(rope_fwd_qk, fullgraph=True, dynamic=False)
+        columns["torch.compile"] = torch.compile(_eager, fullgraph=True, dynamic=False)
     else:
-        print("\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below only "
-              "show that the benchmark runs; they say nothing about speed.")
-    names = ["copy", *columns] + ["liger (in place)"] * bool(liger) + ["flash-attn"] * bool(flash)
-    emit = lambda line: print(line) or table.append(line)  # noqa: E731
-    emit(f"| shape (b, s, h, d) | layout | {' | '.join(names)} |\n" + "|---" * (len(names) + 2) + "|")
-    for b, s, h, d in BENCH_SHAPES if on_gpu else CPU_SHAPES:
-        qk, freqs = torch.randn(2, b, s, h, d, device=DEVICE, dtype=torch.bfloat16), rope_freqs(s, d, device=DEVICE)
-        dst, cu_seqlens = torch.empty_like(qk), torch.arange(0, b * s + 1, s, dtype=torch.int32, device=DEVICE)
-        cos, sin = (f(freqs[:, 0, 0]).to(qk.dtype)[None] for f in (torch.cos, torch.sin))  # peers' tables, untimed:
-        h_cos, h_sin = cos[0, :, : d // 2].contiguous(), sin[0, :, : d // 2].contiguous()  # bf16 [1, s, d], [s, d/2]
-        for fmt, (q, k) in {"bshd": qk, "sbhd": qk.transpose(1, 2).contiguous(), "thd": qk.flatten(1, 2)}.items():
-            kw = dict(tensor_format=fmt, cu_seqlens=cu_seqlens if fmt == "thd" else None)
-            fns = {"copy": lambda: dst.copy_(qk), **{n: lambda f=f: f(q, k, freqs, **kw) for n, f in columns.items()}}
-            if liger and fmt == "bshd":  # in place, on [b, h, s, d] views of bshd memory
-                fns["liger (in place)"] = lambda: liger(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            if flash:  # bshd (any strides) or thd
-                fa_kw = dict(cu_seqlens=cu_seqlens, max_seqlen=s) if fmt == "thd" else {}
-                fns["flash-attn"] = lambda: [flash(x.transpose(0, 1) if fmt == "sbhd" else x, h_cos, h_sin, **fa_kw)
-                                             for x in (q, k)]
-            us = {name: _us(fn, name == "ours: eager call") for name, fn in fns.items()}
-            emit(f"| {(b, s, h, d)} | {fmt} | " + " | ".join(f"{us[n]:.1f} us" + f" ({100 * us['copy'] / us[n]:.0f}%)"
-                                                           * on_gpu if n in us else "n/a" for n in names) + " |")
-    if on_gpu:  # host cost, where the GPU waits for the host: 200 calls in a row, one sync; 7 rounds, interleaved
-        x, freqs = torch.randn(1, 128, 2, 64, device=DEVICE, dtype=torch.bfloat16), rope_freqs(128, 64, device=DEVICE)
-        times = {lambda: x + 1: [], lambda: rope_fwd_qk(x, x, freqs, "bshd"): []}
-        for _, fn in itertools.product(range(7), times):
-            fn(), torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(200):
-                fn()
-            torch.cuda.synchronize()
-            times[fn].append((time.perf_counter() - start) / 200 * 1e6)
-        empty, ours = (sorted(t)[3] for t in times.values())
-        emit(f"\nHost cost of an eager call at (1, 128, 2, 64) bf16, bshd (200 calls in a row, one sync, median of 7 "
-             f"interleaved rounds): rope_fwd_qk {ours:.1f} us, an empty op (x + 1) {empty:.1f} us: {ours / empty:.1f} "
-             "empty ops.")
-    return "\n".join(table)
+        print(
+            "\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below "
+            "only show that the benchmark runs; they say nothing about speed."
+        )
+    names = ["copy", *columns, "liger (in place)", "flash-attn"]
+    table = [f"| shape (b, s, h, d) | layout | {' | '.join(names)} |", "|---" * (len(names) + 2)]
+    table[1] += "|"
+    print(*table, sep="\n")
+    for b, s, h, d in BENCH_SHAPES if on_gpu else [(2, 16, 4, 64)]:
+        qk = torch.randn(2, b, s, h, d, device=DEVICE, dtype=torch.bfloat16)
+        freqs = rope_freqs(s, d, device=DEVICE)
+        copy = functools.partial(torch.empty_like(qk).copy_, qk)
+        cu_seqlens = torch.arange(0, b * s + 1, s, dtype=torch.int32, device=DEVICE)
+        layouts = {"bshd": qk, "sbhd": qk.transpose(1, 2).contiguous(), "thd": qk.flatten(1, 2)}
+        for fmt, (q, k) in layouts.items():
+            kwargs = dict(tensor_format=fmt, cu_seqlens=cu_seqlens if fmt == "thd" else None)
+            calls = {"copy": copy}
+            for name, fn in columns.items():
+                calls[name] = functools.partial(fn, q, k, freqs, **kwargs)
+            if on_gpu:
+                calls.update(_peers(fmt, q, k, freqs, cu_seqlens))
+            us = {name: time_us(call, name == "ours: eager call") for name, call in calls.items()}
+            cells = [f"{us[name]:.1f} us" if name in us else "n/a" for name in names]
+            if on_gpu:  # the fraction of the copy's speed
+                cells = [
+                    f"{cell} ({100 * us['copy'] / us[name]:.0f}%)" if name in us else cell
+                    for cell, name in zip(cells, names)
+                ]
+            table.append(f"| {(b, s, h, d)} | {fmt} | " + " | ".join(cells) + " |")
+            print(table[-1], flush=True)
+    return table
 
 
 def write_page(results_dir, table):
-    """results/<script>_<GPU kind>.md: title, environment, command, what is timed, the table, the raw log's name."""
-    (here, script), gpu = os.path.split(os.path.abspath(__file__)), torch.cuda.get_device_name()
-    stem = script[:-3] + "_" + next((w for w in gpu.split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
-    commit = os.popen(f'git -C "{here}" rev-parse --short HEAD 2>{os.devnull}').read().strip() or "n/a"
+    """results/<script>_<GPU kind>.md: title, environment, command, what is timed, the table, the
+    raw log's name."""
+    here, script = os.path.split(os.path.abspath(__file__))
+    gpu = torch.cuda.get_device_name()
+    kind = next((w for w in gpu.split() if w[:1] in "ABHL" and w[1:2].isdigit()), "gpu")
+    stem = f"{script[:-3]}_{kind}"
+    git = f'git -C "{here}" rev-parse --short HEAD 2>{os.devnull}'
+    commit = os.popen(git).read().strip() or "n/a"
+    with open(__file__, "rb") as f:
+        md5 = hashlib.md5(f.read()).hexdigest()[:8]
+    environment = (
+        f"device: {gpu}; date: {time.strftime('%Y-%m-%d')}; torch {torch.__version__}; "
+        f"triton {triton.__version__}; python {sys.version.split()[0]}; commit {commit}; "
+        f"{script} md5 {md5}"
+    )
     os.makedirs(results_dir, exist_ok=True)
     with open(os.path.join(results_dir, stem + ".md"), "w") as f:
-        f.write(f"# {__doc__.splitlines()[1]}\n\ndevice: {gpu}; date: {time.strftime('%Y-%m-%d')}; torch "
-                f"{torch.__version__}; triton {triton.__version__}; python {sys.version.split()[0]}; commit {commit}; "
-                f"{script} md5 {hashlib.md5(open(__file__, 'rb').read()).hexdigest()[:8]}\n\nCommand: `python "
-                f"{' '.join(sys.argv)}`\n\n{TIMED}\n\n{table}\n\nRaw log: `{stem}.log`.\n")
+        f.write(f"# {__doc__.splitlines()[1]}\n\n{environment}\n\n")
+        f.write(f"Command: `python {' '.join(sys.argv)}`\n\n{TIMED}\n\n{table}\n\n")
+        f.write(f"Raw log: `{stem}.log`.\n")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    parser.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                        help="folder for the page (written only on a GPU)")
-    args, _, table = parser.parse_args(), self_check(), benchmark()
+    results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    parser.add_argument(
+        "--results", default=results, help="folder for the page (written only on a GPU)"
+    )
+    args = parser.parse_args()
+    self_check()
+    table = benchmark()
     if DEVICE.type == "cuda":
-        write_page(args.results, table)
+        write_page(args.results, "\n".join(table))

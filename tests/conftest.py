@@ -4,6 +4,7 @@ The scripts' names start with digits, so they are loaded through importlib. With
 kernels run in Triton's interpreter (set before triton is imported) on small sizes; on a GPU the
 same tests run on larger sizes.
 """
+
 import contextlib
 import importlib.util
 import itertools
@@ -35,14 +36,16 @@ def load(filename):
 
 
 def all_pairs(*values):
-    """The cases of a feature matrix (one list of values per parameter): every combination on the GPU;
-    on the CPU, where the interpreter runs a kernel thousands of times slower, a few that still put
-    each value of every parameter together with each value of every other one (all-pairs testing,
-    chosen greedily: about 15 cases where the product has hundreds)."""
+    """The cases of a feature matrix (one list of values per parameter): every combination on
+    the GPU; on the CPU, where the interpreter runs a kernel thousands of times slower, a few that
+    still put each value of every parameter together with each value of every other one
+    (all-pairs testing, chosen greedily: about 15 cases where the product has hundreds)."""
     combos = list(itertools.product(*(range(len(v)) for v in values)))
     if not ON_GPU:
+
         def pairs(c):
             return {(i, c[i], j, c[j]) for i, j in itertools.combinations(range(len(c)), 2)}
+
         uncovered, chosen = set().union(*map(pairs, combos)), []
         while uncovered:
             best = max(combos, key=lambda c: len(pairs(c) & uncovered))
@@ -56,7 +59,10 @@ def all_pairs(*values):
 def deterministic_algorithms():
     """torch.use_deterministic_algorithms(True) inside the block (warn_only: cuBLAS would otherwise
     ask for CUBLAS_WORKSPACE_CONFIG), restored after it."""
-    before, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    before, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         yield

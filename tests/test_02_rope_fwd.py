@@ -1,6 +1,7 @@
 """02_rope_fwd.py: the feature matrix against rope_reference, thd per sequence, q/k in one
 launch, every bad input's error. CPU runs small shapes in the interpreter; a GPU
 adds large shapes and tensors of more than 2**31 elements."""
+
 import pytest
 import torch
 
@@ -11,10 +12,18 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 B, S, H = (3, 300, 7) if ON_GPU else (2, 13, 3)
 
 
-
-@pytest.mark.parametrize("fmt, interleaved, dims, dtype, view, with_start", all_pairs(
-    ["sbhd", "bshd", "thd"], [False, True], [(64, 64), (80, 48)],  # full; partial with non-power-of-2 halves
-    DTYPES, ["contiguous", "packed", "permuted", "strided_d"], [False, True]), ids=str)
+@pytest.mark.parametrize(
+    "fmt, interleaved, dims, dtype, view, with_start",
+    all_pairs(
+        ["sbhd", "bshd", "thd"],
+        [False, True],
+        [(64, 64), (80, 48)],  # full; partial with non-power-of-2 halves
+        DTYPES,
+        ["contiguous", "packed", "permuted", "strided_d"],
+        [False, True],
+    ),
+    ids=str,
+)
 def test_matches_reference(fmt, interleaved, dims, dtype, view, with_start):
     d, d2 = dims
     t = make_view(logical_shape(fmt, B, S, H, d), dtype, view)
@@ -50,9 +59,9 @@ def test_thd_equals_per_sequence_application(interleaved):
     out = rope.rope_fwd(t, freqs, "thd", interleaved, cu_seqlens=cu, start_positions=start)
     bounds, starts = cu.tolist(), start.tolist()
     for i in range(4):  # each sequence alone, as sbhd with b = 1, its angles from row start[i]
-        seq = t[bounds[i]:bounds[i + 1]].unsqueeze(1)
-        expected = rope.rope_reference(seq, freqs[starts[i]:], "sbhd", interleaved).squeeze(1)
-        torch.testing.assert_close(out[bounds[i]:bounds[i + 1]], expected)
+        seq = t[bounds[i] : bounds[i + 1]].unsqueeze(1)
+        expected = rope.rope_reference(seq, freqs[starts[i] :], "sbhd", interleaved).squeeze(1)
+        torch.testing.assert_close(out[bounds[i] : bounds[i + 1]], expected)
 
 
 @pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
@@ -73,6 +82,7 @@ def test_qk_in_one_launch_with_fewer_k_heads(fmt, k_heads, monkeypatch):
         def __getitem__(self, grid):
             launches.append(grid)
             return kernel[grid]
+
     monkeypatch.setattr(rope, "rope_fwd_kernel", CountingKernel())
     q_out, k_out = rope.rope_fwd_qk(q, k, freqs, **kwargs)
     assert len(launches) == 1
@@ -89,33 +99,62 @@ def test_torch_compile_fullgraph(fmt):
     qkv = make_view(logical_shape(fmt, B, S, 3 * 4, 80), torch.bfloat16, "contiguous")
     q, k = qkv[..., :4, :], qkv[..., 4:6, :]  # strided views; k with fewer heads
     freqs = torch.randn(B * S + 5, 1, 1, 48, device=DEVICE)  # partial rotary, halves differ
-    kwargs = dict(tensor_format=fmt, interleaved=True, start_positions=torch.randint(0, 5, (B,), device=DEVICE))
+    kwargs = dict(
+        tensor_format=fmt,
+        interleaved=True,
+        start_positions=torch.randint(0, 5, (B,), device=DEVICE),
+    )
     if fmt == "thd":
         kwargs["cu_seqlens"] = random_cu_seqlens(B, B * S)
     expected = rope.rope_reference(q, freqs, **kwargs), rope.rope_reference(k, freqs, **kwargs)
     backend = "inductor" if ON_GPU else "aot_eager"
-    one = torch.compile(lambda t: rope.rope_fwd(t, freqs, **kwargs) * 1, fullgraph=True, backend=backend)
+    one = torch.compile(
+        lambda t: rope.rope_fwd(t, freqs, **kwargs) * 1, fullgraph=True, backend=backend
+    )
     torch.testing.assert_close(one(q), expected[0])
-    both = torch.compile(lambda q, k: rope.rope_fwd_qk(q, k, freqs, **kwargs), fullgraph=True, backend=backend)
+    both = torch.compile(
+        lambda q, k: rope.rope_fwd_qk(q, k, freqs, **kwargs), fullgraph=True, backend=backend
+    )
     torch.testing.assert_close(both(q, k), expected)
-    assert all(a.equal(b) for a, b in zip(both(q, k), rope.rope_fwd_qk(q, k, freqs, **kwargs)))  # bit for bit
+    assert all(
+        a.equal(b) for a, b in zip(both(q, k), rope.rope_fwd_qk(q, k, freqs, **kwargs))
+    )  # bit for bit
     # the registration itself: schema (what it writes), fake outputs, and the op against its launch
     q2, k2 = q.detach().clone(), k.detach().clone()
-    torch.library.opcheck(rope._rope_op, (q2, torch.empty_like(q2), k2, torch.empty_like(k2), freqs,
-                                          rope._angles_shared(freqs, True), kwargs.get("cu_seqlens"),
-                                          kwargs["start_positions"], B * S if fmt == "thd" else S, fmt, True, True))
+    torch.library.opcheck(
+        rope._rope_op,
+        (
+            q2,
+            torch.empty_like(q2),
+            k2,
+            torch.empty_like(k2),
+            freqs,
+            rope._angles_shared(freqs, True),
+            kwargs.get("cu_seqlens"),
+            kwargs["start_positions"],
+            B * S if fmt == "thd" else S,
+            fmt,
+            True,
+        ),
+    )
 
 
 def test_rope_freqs_is_a_rotation():
     # TE's table: angles pos * base^(-2i/d2), halves (or pairs) equal, so every pair keeps its norm.
     freqs = rope.rope_freqs(S, 32, device=DEVICE)
     inv = 10000.0 ** (-torch.arange(0, 32, 2, device=DEVICE).double() / 32)
-    torch.testing.assert_close(freqs[:, 0, 0, :16].double(), torch.arange(S, device=DEVICE).double()[:, None] * inv)
+    torch.testing.assert_close(
+        freqs[:, 0, 0, :16].double(), torch.arange(S, device=DEVICE).double()[:, None] * inv
+    )
     torch.testing.assert_close(freqs[..., :16], freqs[..., 16:])
-    assert torch.equal(rope.rope_freqs(S, 32, interleaved=True, device=DEVICE)[..., ::2], freqs[..., :16])
+    assert torch.equal(
+        rope.rope_freqs(S, 32, interleaved=True, device=DEVICE)[..., ::2], freqs[..., :16]
+    )
     t = torch.randn(S, 2, 3, 32, device=DEVICE, dtype=torch.float64).float()
     y = rope.rope_fwd(t, freqs)
-    torch.testing.assert_close(y[..., :16] ** 2 + y[..., 16:] ** 2, t[..., :16] ** 2 + t[..., 16:] ** 2)
+    torch.testing.assert_close(
+        y[..., :16] ** 2 + y[..., 16:] ** 2, t[..., :16] ** 2 + t[..., 16:] ** 2
+    )
     torch.testing.assert_close(y[0], t[0])  # position 0: angle 0
 
 
@@ -126,17 +165,23 @@ def test_rotation_tables_read_half_the_angles(fmt, interleaved, d2):
     # A model's table has equal halves (or pairs): the kernel then skips loading f_b. Same answer.
     freqs = rope.rope_freqs(B * S, d2, interleaved=interleaved, device=DEVICE)
     assert rope._angles_shared(freqs, interleaved).item() == 1
-    assert rope._angles_shared(freqs, not interleaved).item() == 0  # the other layout's pairs differ
+    assert (
+        rope._angles_shared(freqs, not interleaved).item() == 0
+    )  # the other layout's pairs differ
     t = make_view(logical_shape(fmt, B, S, H, 64), torch.bfloat16, "packed")
     kwargs = dict(tensor_format=fmt, interleaved=interleaved)
     if fmt == "thd":
         kwargs["cu_seqlens"] = random_cu_seqlens(B, B * S)
-    torch.testing.assert_close(rope.rope_fwd(t, freqs, **kwargs), rope.rope_reference(t, freqs, **kwargs))
+    torch.testing.assert_close(
+        rope.rope_fwd(t, freqs, **kwargs), rope.rope_reference(t, freqs, **kwargs)
+    )
 
 
 def test_shared_angle_flag_follows_in_place_edits_of_freqs():
     t, freqs = torch.randn(S, 2, 3, 32, device=DEVICE), rope.rope_freqs(S, 32, device=DEVICE)
-    torch.testing.assert_close(rope.rope_fwd(t, freqs), rope.rope_reference(t, freqs))  # halves equal
+    torch.testing.assert_close(
+        rope.rope_fwd(t, freqs), rope.rope_reference(t, freqs)
+    )  # halves equal
     freqs[..., 16:] += 0.5  # now they differ; a stale flag would reuse the first half's angles
     torch.testing.assert_close(rope.rope_fwd(t, freqs), rope.rope_reference(t, freqs))
 
@@ -156,46 +201,138 @@ def test_value_checks_rerun_after_in_place_change():
 
 
 def _bad_inputs():
-    t = lambda *shape, dtype=torch.float32: torch.randn(*shape, device=DEVICE, dtype=dtype)  # noqa: E731
-    f = lambda s=8, d2=16: torch.randn(s, 1, 1, d2, device=DEVICE)  # noqa: E731
-    cu = lambda *v: torch.tensor(v, dtype=torch.int32, device=DEVICE)  # noqa: E731
-    start = lambda *v: torch.tensor(v, device=DEVICE)  # noqa: E731
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape, device=DEVICE, dtype=dtype)
+
+    def f(s=8, d2=16):
+        return torch.randn(s, 1, 1, d2, device=DEVICE)
+
+    def cu(*values):
+        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+    def start(*values):
+        return torch.tensor(values, device=DEVICE)
+
     return [
         ("odd d2", dict(t=t(8, 2, 3, 16), freqs=f(d2=15)), ValueError, "d2 = 15 must be even"),
         ("d2 > d", dict(t=t(8, 2, 3, 16), freqs=f(d2=18)), ValueError, "d2 = 18"),
         ("s > s2", dict(t=t(9, 2, 3, 16), freqs=f()), ValueError, "sequence length 9"),
-        ("s > s2 bshd", dict(t=t(2, 9, 3, 16), freqs=f(), tensor_format="bshd"), ValueError, "sequence length 9"),
-        ("freqs fp16", dict(t=t(8, 2, 3, 16), freqs=f().half()), TypeError, "freqs must be float32"),
-        ("freqs rank", dict(t=t(8, 2, 3, 16), freqs=f()[:, 0]), ValueError, r"freqs must have shape \[s2, 1, 1, d2\]"),
-        ("freqs not tensor", dict(t=t(8, 2, 3, 16), freqs=[1.0]), TypeError, "freqs must be a torch.Tensor"),
-        ("bad format", dict(t=t(8, 2, 3, 16), freqs=f(), tensor_format="bhsd"), ValueError, "tensor_format"),
+        (
+            "s > s2 bshd",
+            dict(t=t(2, 9, 3, 16), freqs=f(), tensor_format="bshd"),
+            ValueError,
+            "sequence length 9",
+        ),
+        (
+            "freqs fp16",
+            dict(t=t(8, 2, 3, 16), freqs=f().half()),
+            TypeError,
+            "freqs must be float32",
+        ),
+        (
+            "freqs rank",
+            dict(t=t(8, 2, 3, 16), freqs=f()[:, 0]),
+            ValueError,
+            r"freqs must have shape \[s2, 1, 1, d2\]",
+        ),
+        (
+            "freqs not tensor",
+            dict(t=t(8, 2, 3, 16), freqs=[1.0]),
+            TypeError,
+            "freqs must be a torch.Tensor",
+        ),
+        (
+            "bad format",
+            dict(t=t(8, 2, 3, 16), freqs=f(), tensor_format="bhsd"),
+            ValueError,
+            "tensor_format",
+        ),
         ("t rank", dict(t=t(8, 3, 16), freqs=f()), ValueError, "t must have 4 dims"),
-        ("t dtype", dict(t=t(8, 2, 3, 16, dtype=torch.float64), freqs=f()), TypeError, "t must be float32"),
-        ("t int", dict(t=torch.ones(8, 2, 3, 16, dtype=torch.int32, device=DEVICE), freqs=f()), TypeError, "t must be float32"),
+        (
+            "t dtype",
+            dict(t=t(8, 2, 3, 16, dtype=torch.float64), freqs=f()),
+            TypeError,
+            "t must be float32",
+        ),
+        (
+            "t int",
+            dict(t=torch.ones(8, 2, 3, 16, dtype=torch.int32, device=DEVICE), freqs=f()),
+            TypeError,
+            "t must be float32",
+        ),
         ("head dim > 256", dict(t=t(8, 1, 1, 258), freqs=f(d2=16)), ValueError, "head dim 258"),
-        ("thd no cu", dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd"), ValueError, "cu_seqlens is required"),
-        ("cu int64", dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd",
-                          cu_seqlens=cu(0, 8).long()), TypeError, "cu_seqlens must be an int32"),
-        ("cu decreasing", dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd",
-                               cu_seqlens=cu(0, 5, 3, 8)), ValueError, "non-decreasing"),
-        ("cu not from 0", dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd",
-                               cu_seqlens=cu(1, 8)), ValueError, "start at 0"),
-        ("cu last", dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd",
-                         cu_seqlens=cu(0, 3, 7)), ValueError, r"cu_seqlens\[-1\] = 7"),
-        ("cu shape", dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd",
-                          cu_seqlens=cu(8)), ValueError, r"cu_seqlens must have shape \[b \+ 1\]"),
-        ("cu for sbhd", dict(t=t(8, 2, 3, 16), freqs=f(), cu_seqlens=cu(0, 8)), ValueError,
-         "cu_seqlens is only for tensor_format='thd'"),
-        ("thd seq > s2", dict(t=t(12, 3, 16), freqs=f(), tensor_format="thd",
-                              cu_seqlens=cu(0, 3, 12)), ValueError, "positions up to 8"),
-        ("start float", dict(t=t(8, 2, 3, 16), freqs=f(), start_positions=start(0.0, 1.0)), TypeError,
-         "start_positions must be an int32 or int64"),
-        ("start shape", dict(t=t(8, 2, 3, 16), freqs=f(), start_positions=start(0, 1, 2)), ValueError,
-         r"start_positions must have shape \[b\] = \[2\]"),
-        ("start negative", dict(t=t(4, 2, 3, 16), freqs=f(), start_positions=start(0, -1)), ValueError,
-         "start_positions must be >= 0"),
-        ("start too far", dict(t=t(4, 2, 3, 16), freqs=f(), start_positions=start(0, 5)), ValueError,
-         "positions up to 8"),
+        (
+            "thd no cu",
+            dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd"),
+            ValueError,
+            "cu_seqlens is required",
+        ),
+        (
+            "cu int64",
+            dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd", cu_seqlens=cu(0, 8).long()),
+            TypeError,
+            "cu_seqlens must be an int32",
+        ),
+        (
+            "cu decreasing",
+            dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd", cu_seqlens=cu(0, 5, 3, 8)),
+            ValueError,
+            "non-decreasing",
+        ),
+        (
+            "cu not from 0",
+            dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd", cu_seqlens=cu(1, 8)),
+            ValueError,
+            "start at 0",
+        ),
+        (
+            "cu last",
+            dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd", cu_seqlens=cu(0, 3, 7)),
+            ValueError,
+            r"cu_seqlens\[-1\] = 7",
+        ),
+        (
+            "cu shape",
+            dict(t=t(8, 3, 16), freqs=f(), tensor_format="thd", cu_seqlens=cu(8)),
+            ValueError,
+            r"cu_seqlens must have shape \[b \+ 1\]",
+        ),
+        (
+            "cu for sbhd",
+            dict(t=t(8, 2, 3, 16), freqs=f(), cu_seqlens=cu(0, 8)),
+            ValueError,
+            "cu_seqlens is only for tensor_format='thd'",
+        ),
+        (
+            "thd seq > s2",
+            dict(t=t(12, 3, 16), freqs=f(), tensor_format="thd", cu_seqlens=cu(0, 3, 12)),
+            ValueError,
+            "positions up to 8",
+        ),
+        (
+            "start float",
+            dict(t=t(8, 2, 3, 16), freqs=f(), start_positions=start(0.0, 1.0)),
+            TypeError,
+            "start_positions must be an int32 or int64",
+        ),
+        (
+            "start shape",
+            dict(t=t(8, 2, 3, 16), freqs=f(), start_positions=start(0, 1, 2)),
+            ValueError,
+            r"start_positions must have shape \[b\] = \[2\]",
+        ),
+        (
+            "start negative",
+            dict(t=t(4, 2, 3, 16), freqs=f(), start_positions=start(0, -1)),
+            ValueError,
+            "start_positions must be >= 0",
+        ),
+        (
+            "start too far",
+            dict(t=t(4, 2, 3, 16), freqs=f(), start_positions=start(0, 5)),
+            ValueError,
+            "positions up to 8",
+        ),
     ]
 
 
@@ -221,13 +358,19 @@ def test_device_mismatch_errors():
         rope.rope_fwd(t, torch.randn(8, 1, 1, 16, device="meta"))
     if ON_GPU:
         with pytest.raises(ValueError, match="start_positions is on cpu"):
-            rope.rope_fwd(t, torch.randn(8, 1, 1, 16, device=DEVICE), start_positions=torch.zeros(2, dtype=torch.int32))
+            rope.rope_fwd(
+                t,
+                torch.randn(8, 1, 1, 16, device=DEVICE),
+                start_positions=torch.zeros(2, dtype=torch.int32),
+            )
 
 
-@pytest.mark.skipif(not ON_GPU, reason="GPU only: a tensor of more than 2**31 elements (4.3 GB in bf16)")
+@pytest.mark.skipif(
+    not ON_GPU, reason="GPU only: a tensor of more than 2**31 elements (4.3 GB in bf16)"
+)
 def test_offsets_past_2_31_elements():
     h, d = 8, 128
-    s = 2 ** 31 // (h * d) + 300  # the last 300 tokens live past element 2**31
+    s = 2**31 // (h * d) + 300  # the last 300 tokens live past element 2**31
     t = torch.randn(1, s, h, d, device=DEVICE, dtype=torch.bfloat16)
     freqs = torch.randn(s, 1, 1, d, device=DEVICE)
     out = rope.rope_fwd(t, freqs, "bshd")
@@ -239,18 +382,25 @@ def test_offsets_past_2_31_elements():
 
 
 def test_write_page(tmp_path, monkeypatch):
-    """The page writer runs only on a GPU: check its file name and sections with a stand-in device name."""
+    """The page writer runs only on a GPU: check its file name and sections with a stand-in device
+    name."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H200")
     rope.write_page(str(tmp_path), "| shape (b, s, h, d) |\n|---|")
     page = (tmp_path / "02_rope_fwd_H200.md").read_text()
-    for part in ("device: NVIDIA H200", "02_rope_fwd.py md5 ", "Command: `python ", "do_bench_cudagraph",
-                 "| shape (b, s, h, d) |", "Raw log: `02_rope_fwd_H200.log`"):
+    for part in (
+        "device: NVIDIA H200",
+        "02_rope_fwd.py md5 ",
+        "Command: `python ",
+        "do_bench_cudagraph",
+        "| shape (b, s, h, d) |",
+        "Raw log: `02_rope_fwd_H200.log`",
+    ):
         assert part in page
 
 
 def test_an_input_requiring_grad_is_refused_unless_no_grad():
-    """02 has no backward: its output could not carry a gradient to the layers before it, so it refuses rather
-    than stop their training silently, and points at 03."""
+    """02 has no backward: its output could not carry a gradient to the layers before it, so it
+    refuses rather than stop their training silently, and points at 03."""
     t = torch.randn(4, 2, 3, 16, device=DEVICE, requires_grad=True)
     freqs = rope.rope_freqs(4, 16, device=DEVICE)
     with pytest.raises(ValueError, match="t requires grad.*03's apply_rotary_pos_emb"):
@@ -262,15 +412,74 @@ def test_an_input_requiring_grad_is_refused_unless_no_grad():
 
 
 def test_eager_calls_remember_by_signature_alignment_included():
-    """Eager calls keep their checks and compiled launches per signature (shapes, strides, dtype, device, 16-byte
-    alignment): a view 2 bytes off, of the same shape and strides, gets a launch of its own; a call that must be
-    refused still is, after good calls of the same signature."""
+    """Eager calls keep their checks and compiled launches per signature (shapes, strides, dtype,
+    device, 16-byte alignment): a view 2 bytes off, of the same shape and strides, gets a launch of
+    its own; a call that must be refused still is, after good calls of the same signature."""
     base = torch.randn(2, 8, 3, 65, device=DEVICE, dtype=torch.bfloat16)
     freqs = rope.rope_freqs(8, 64, device=DEVICE)
     for t in (base[..., :64], base[..., 1:]):
         for _ in range(2):  # the second call takes the remembered launch
-            torch.testing.assert_close(rope.rope_fwd(t, freqs, "bshd"), rope.rope_reference(t, freqs, "bshd"))
+            torch.testing.assert_close(
+                rope.rope_fwd(t, freqs, "bshd"), rope.rope_reference(t, freqs, "bshd")
+            )
     t = base[..., :64].clone()
     rope.rope_fwd(t, freqs, "bshd")
     with pytest.raises(ValueError, match="requires grad"):
         rope.rope_fwd(t.requires_grad_(), freqs, "bshd")
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
+def test_plain_launcher_equals_the_public_call(fmt):
+    """Part 1's launch_rope_fwd (both angles of a pair read, the longest sequence read on the host)
+    writes what rope_fwd_qk writes, bit for bit, with a model's table and with any table."""
+    q = make_view(logical_shape(fmt, B, S, 4, 80), torch.bfloat16, "packed")
+    k = make_view(logical_shape(fmt, B, S, 2, 80), torch.bfloat16, "contiguous")
+    kwargs = dict(tensor_format=fmt, interleaved=True)
+    if fmt == "thd":
+        kwargs["cu_seqlens"] = random_cu_seqlens(B, B * S, with_empty=True)
+    for freqs in (rope.rope_freqs(B * S, 48, True, device=DEVICE), torch.randn(B * S, 1, 1, 48)):
+        freqs = freqs.to(DEVICE)
+        plain = rope.launch_rope_fwd(q, k, freqs, **kwargs)
+        for got, want in zip(plain, rope.rope_fwd_qk(q, k, freqs, **kwargs)):
+            assert got.equal(want)
+
+
+def test_remembered_launch_gets_every_argument_in_order(monkeypatch):
+    """On a GPU a signature's later calls skip Triton's launcher: the compiled kernel gets the
+    tensors, then the scalars and constexprs remembered from the first call, all in order. Here a
+    stand-in for the compiled kernel takes them by position and runs the interpreter by name: t,
+    and q and k, in every layout, each called twice."""
+    run = rope.rope_fwd_kernel.run
+    remembered_launches = []
+
+    class Compiled:  # stands in for triton.compiler.CompiledKernel
+        def __getitem__(self, grid):
+            def launch(*args):
+                remembered_launches.append(grid)
+                kwargs = dict(zip(rope.rope_fwd_kernel.arg_names, args, strict=True))
+                run(grid=grid, warmup=False, **kwargs)
+
+            return launch
+
+    def first_launch(*args, **kwargs):
+        run(*args, **kwargs)
+        return Compiled()
+
+    monkeypatch.setattr(rope.rope_fwd_kernel, "run", first_launch)
+    monkeypatch.setattr(rope.triton.compiler, "CompiledKernel", Compiled)
+    monkeypatch.setattr(rope, "_launches", {})
+    freqs = torch.randn(12, 1, 1, 16, device=DEVICE)  # partial rotary: 16 of 32 channels
+    for fmt in ("sbhd", "bshd", "thd"):
+        q = make_view(logical_shape(fmt, 2, 5, 4, 32), torch.float32, "packed")
+        k = make_view(logical_shape(fmt, 2, 5, 2, 32), torch.float32, "contiguous")
+        kwargs = dict(tensor_format=fmt, start_positions=torch.tensor([1, 0], device=DEVICE))
+        if fmt == "thd":
+            kwargs["cu_seqlens"] = torch.tensor([0, 3, 10], dtype=torch.int32, device=DEVICE)
+        for _ in range(2):
+            torch.testing.assert_close(
+                rope.rope_fwd(q, freqs, **kwargs), rope.rope_reference(q, freqs, **kwargs)
+            )
+            outs = rope.rope_fwd_qk(q, k, freqs, **kwargs)
+            for x, y in zip((q, k), outs):
+                torch.testing.assert_close(y, rope.rope_reference(x, freqs, **kwargs))
+    assert len(rope._launches) == 6 and len(remembered_launches) == 6
