@@ -1431,8 +1431,8 @@ def self_check():
     b, s, h, d = (3, 36, 5, 80) if DEVICE.type == "cuda" else (2, 8, 3, 80)
     freqs = torch.randn(2 * b * s, 1, 1, 48, device=DEVICE)  # partial rotary, halves differ
     cu = torch.tensor([0, *range(1, (b - 1) * s, s), b * s], device=DEVICE, dtype=torch.int32)
-    dtypes = (torch.float32, torch.bfloat16)
-    for dtype, fmt, interleaved in itertools.product(dtypes, TENSOR_FORMATS, (False, True)):
+    cases = itertools.product((torch.float32, torch.bfloat16), TENSOR_FORMATS, (False, True))
+    for dtype, fmt, interleaved in cases:
         x = torch.randn(b, s, 3, h, d, device=DEVICE, dtype=dtype)
         x = {"sbhd": x.transpose(0, 1), "bshd": x, "thd": x.flatten(0, 1)}[fmt]
         q = x[..., 0, :, :].requires_grad_()  # strided views
@@ -1483,6 +1483,11 @@ def _eager(q, k, freqs, tensor_format):  # TransformerEngine's unfused formula
     return [rope_reference(x, freqs, tensor_format, compute_dtype=None) for x in (q, k)]
 
 
+def _backward(dq, dk, freqs):  # the backward kernel alone, launched as autograd launches it
+    flag = _angles_shared(freqs, False)  # as autograd's call has it: 1, a model's table
+    return _rope(dq, dk, None, freqs, None, flag, None, None, None, "bshd", False, True, 1, 0, 0)
+
+
 def _run(fn, args, inputs, grads):  # fn(*args); given its outputs' gradients, the backward too
     outs = fn(*args)
     if grads is None:
@@ -1514,17 +1519,14 @@ def benchmark():
     pages = {}
     for b, s, h, d in shapes:
         freqs = rope_freqs(s, d, device=DEVICE)
-        q = randn(b, s, h, d, requires_grad=True)
-        k = randn(b, s, h, d, requires_grad=True)
+        q, k = (randn(b, s, h, d, requires_grad=True) for _ in "qk")
         qkv = randn(b, s, h // 4, 6 * d, requires_grad=True)
         dq, dk = randn(2, b, s, h, d)  # the outputs' gradients
         dkv = randn(b, s, h // 4, d)  # fused QKV's dk and dv
-        qk_args = (q, k, freqs, "bshd")
         qkv_args = (qkv, freqs, freqs, [4 * d, d, d], "bshd")
-        backward = {"ours": functools.partial(torch.autograd.grad, retain_graph=True)}
         tables = {  # the calls, their arguments, the inputs and (with a backward) the gradients
-            "q and k, backward": (backward, (ours(*qk_args), (q, k), (dq, dk)), (q, k), None),
-            "q and k, forward + backward": (qk, qk_args, (q, k), (dq, dk)),
+            "q and k, backward": ({"ours": _backward}, (dq, dk, freqs), (dq, dk), None),
+            "q and k, forward + backward": (qk, (q, k, freqs, "bshd"), (q, k), (dq, dk)),
             "fused QKV, forward": (qkv_fns, qkv_args, (qkv,), None),
             "fused QKV, forward + backward": (qkv_fns, qkv_args, (qkv,), (dq, dkv, dkv)),
         }
@@ -1539,7 +1541,7 @@ def benchmark():
             cells = [f"{t:.1f} us" for t in us.values()]
             if on_gpu:  # (x%): the copy's time over the cell's
                 cells = [f"{c} ({100 * us[copy] / t:.0f}%)" for c, t in zip(cells, us.values())]
-            header = [f"| shape (b, s, h, d) | {' | '.join(us)} |", "|---" * (len(us) + 1) + "|"]
+            header = [f"| shape (b, s, h, d) | {' | '.join(us)} |", "|---" * len(us) + "|---|"]
             lines = pages.setdefault(table, header)
             lines.append(f"| {(b, s, h, d)} | {' | '.join(cells)} |")
             print(f"{table}: {lines[-1]}")
