@@ -7,7 +7,7 @@ In this tutorial, you will learn about:
 * TransformerEngine's RoPE semantics, shared by every later step: ``sbhd`` / ``bshd`` / ``thd``
   layouts, partial rotary (``d2 < d``), rotate-half and interleaved pairs, any per-channel angles,
   ``start_positions`` (KV cache);
-* why the eager formula moves about 4.5x the bytes it needs, and a kernel that reads and writes
+* why the eager formula moves about 6x the bytes it needs, and a kernel that reads and writes
   each element once, at any strides (a slice of a packed qkv, a transposed view), with 64-bit
   offsets, head dims up to 256 (80 and 96 too), any head count, and q and k (GQA) in one launch;
 * checking values that live on the GPU (``cu_seqlens``) without a host sync on every call, and an
@@ -35,6 +35,7 @@ This file imports only torch and triton: copy it alone into your project.
 import argparse
 import functools
 import hashlib
+import importlib
 import itertools
 import os
 import sys
@@ -137,23 +138,28 @@ def rope_reference(
 # Memory traffic
 # --------------
 # Any implementation reads and writes the N elements of q and k once, plus the angle rows (4 d2
-# bytes a position, shared through L2 by the batch and the heads). With a small batch the table
-# counts: at (b, s, h, d) = (1, 32768, 8, 128) in bf16, q and k are 64 MiB each, read and written:
-# 256 MiB; the float32 table [32768, 128] is 16 MiB, so a kernel that reads it whole can reach at
-# most 256/272 = 94% of a copy of q and k. Real tables have equal halves, so the kernel reads one
-# half when a flag says so: 8 MiB, a cap of 256/264 = 97%. Any other table works at full cost.
-# The eager formula moves x*cos (N read, N written), R(x) (N, N), R(x)*sin (N, N) and the sum (2N,
-# N): 9N, ~4.5x the 2N of one pass. The yardstick is a device-to-device copy of the same 2N (the
-# table not counted): results/02_rope_fwd_H100.md shows how close the kernel comes.
+# bytes a position, loaded once for all heads and shared through L2 by the batch). With a small
+# batch the table counts: at (b, s, h, d) = (1, 32768, 8, 128) in bf16, q and k are 64 MiB each,
+# read and written: 256 MiB; the float32 table [32768, 128] is 16 MiB, so a kernel that reads it
+# whole can reach at most 256/272 = 94% of a copy of q and k. Real tables have equal halves, so the
+# kernel reads one half when a flag says so: 8 MiB, a cap of 256/264 = 97%. Any other table works
+# at full cost.
+# The eager formula as TransformerEngine writes it (rope_reference with compute_dtype=None, the
+# benchmark's "eager" column) moves x*cos (N read, N written); R(x), a negated copy of half the
+# channels and then the halves joined (N/2, N/2, then N, N); R(x)*sin (N, N); the sum (2N, N); and
+# the join with the pass-through channels, made even when there are none (N, N): 12N, 6x the 2N of
+# one pass, before the cos and sin of the angle rows. The yardstick is a device-to-device copy of
+# the same 2N (the table not counted): results/02_rope_fwd_H100.md shows how close the kernel comes.
 #
 # The kernel
 # ----------
-# A program takes BLOCK_S tokens of one sequence and all heads of q and k, BLOCK_H at a time (any
-# head count): cos and sin, which depend on the position only, are taken once for every head. Each
-# tile is read and written once, in contiguous loads (_load_pairs); pass-through channels (d2 < d)
-# are copied. Offsets come from the strides, in int64 (views, tensors past 2**31 elements). In thd,
-# cu_seqlens maps the batch index to a sequence and the batch stride is 0: one kernel for three
-# layouts.
+# The kernel is written for a block of BLOCK_S tokens of one sequence a program; the launch below
+# gives each program one token (BLOCK_S = 1) and all heads of q and k, BLOCK_H at a time in at most
+# four unrolled steps (any head count). cos and sin, which depend on the position only, are taken
+# once for every head. Each tile is read and written once, in contiguous loads (_load_pairs);
+# pass-through channels (d2 < d) are copied. Offsets come from the strides, in int64 (views,
+# tensors past 2**31 elements). In thd, cu_seqlens maps the batch index to a sequence and the batch
+# stride is 0: one kernel for three layouts.
 
 
 @triton.jit
@@ -299,9 +305,8 @@ def rope_fwd_kernel(
         f_a, f_b = 2 * i, 2 * i + 1
     else:
         f_a, f_b = i, i + rot_dim // 2
-    f_mask = (row_mask & (pos < n_positions))[:, None] & (i < rot_dim // 2)[
-        None, :
-    ]  # no row past the table
+    # No row past the table
+    f_mask = (row_mask & (pos < n_positions))[:, None] & (i < rot_dim // 2)[None, :]
     f_rows = freqs_ptr + pos.to(tl.int64)[:, None] * stride_fs
     angle_a = tl.load(f_rows + f_a[None, :] * stride_fd, mask=f_mask, other=0.0)
     read_b = tl.load(angles_shared_ptr + 0 * i)[None, :] == 0  # the flag, one copy per lane
@@ -401,11 +406,12 @@ def rope_fwd_kernel(
 # %%
 # The launch
 # ----------
-# One token a program (BLOCK_S = 1), its heads in about four unrolled steps of BLOCK_H, two warps
-# (four for big tiles): many small programs keep the most bytes in flight per multiprocessor (the
-# sweep of BLOCK_S x BLOCK_H x warps: results/02_rope_fwd_sweep.log). So n_seq_blocks, the blocks
-# of BLOCK_S tokens of a sequence, is the sequence length. The grid needs the longest sequence: in
-# thd, on the host, that is one sync to read cu_seqlens (Part 2 remembers it).
+# One token a program (BLOCK_S = 1), its heads in at most four unrolled steps of BLOCK_H (a quarter
+# of the head count's next power of 2), two warps (four for big tiles): many small programs keep
+# the most bytes in flight per multiprocessor (the sweep of BLOCK_S x BLOCK_H x warps:
+# results/02_rope_fwd_sweep.log). So n_seq_blocks, the blocks of BLOCK_S tokens of a sequence, is
+# the sequence length. The grid needs the longest sequence: in thd, on the host, that is one sync
+# to read cu_seqlens (Part 2 remembers it).
 
 
 def _layout(t, tensor_format):
@@ -452,7 +458,7 @@ def rope_fwd_launch_args(
     n_k_heads = k.shape[-2]
     BLOCK_S = 1
     n_seq_blocks = triton.cdiv(seqlen, BLOCK_S)
-    BLOCK_H = max(1, _pow2(max(n_q_heads, n_k_heads)) // 4)  # the heads in about four steps
+    BLOCK_H = max(1, _pow2(max(n_q_heads, n_k_heads)) // 4)  # the heads in at most four steps
     HALF = _pow2(rot_dim // 2)
     grid = (batch * n_seq_blocks,)
     scalars = (
@@ -895,28 +901,28 @@ def _eager(q, k, freqs, **kwargs):  # TransformerEngine's unfused formula
     return [rope_reference(x, freqs, compute_dtype=None, **kwargs) for x in (q, k)]
 
 
-def _peers(fmt, q, k, freqs, cu_seqlens):
-    """{name: call} of the peers that are importable and take this layout, on the same q and k
-    (their tables, cos and sin in bf16, built untimed)."""
+def _import_peer(module, name):
+    """module.name, or None (its column: n/a) with the reason printed."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as e:
+        print(f"({module} is not importable, its column is skipped: {e})")
+        return None
+
+
+def _peers(fmt, q, k, freqs, cu_seqlens, rope_forward, apply_rotary):
+    """{name: call} of the peers given (Liger's rope_forward, flash-attention's apply_rotary; None:
+    not importable) that take this layout, on the same q and k (their tables, cos and sin in bf16,
+    built untimed)."""
     peers = {}
     cos = freqs[:, 0, 0].cos().to(q.dtype)
     sin = freqs[:, 0, 0].sin().to(q.dtype)
-    try:
-        from liger_kernel.ops.rope import rope_forward
-    except ImportError:
-        rope_forward = None
     if rope_forward is not None and fmt == "bshd":  # in place, on [b, h, s, d] views
         args = (q.transpose(1, 2), k.transpose(1, 2), cos[None], sin[None])
         peers["liger (in place)"] = functools.partial(rope_forward, *args)
-    try:
-        from flash_attn.ops.triton.rotary import apply_rotary
-    except ImportError:
-        apply_rotary = None
     if apply_rotary is not None:  # bshd, any strides, or thd; tables [s, d/2]
-        tables = (
-            cos[:, : cos.shape[1] // 2].contiguous(),
-            sin[:, : sin.shape[1] // 2].contiguous(),
-        )
+        half = cos.shape[1] // 2
+        tables = (cos[:, :half].contiguous(), sin[:, :half].contiguous())
         kwargs = {}
         if fmt == "thd":
             kwargs = dict(cu_seqlens=cu_seqlens, max_seqlen=freqs.shape[0])
@@ -939,14 +945,16 @@ def benchmark():
         torch._dynamo.config.cache_size_limit = 64
         columns["ours: torch.compile"] = torch.compile(rope_fwd_qk, fullgraph=True, dynamic=False)
         columns["torch.compile"] = torch.compile(_eager, fullgraph=True, dynamic=False)
+        liger = _import_peer("liger_kernel.ops.rope", "rope_forward")
+        flash = _import_peer("flash_attn.ops.triton.rotary", "apply_rotary")
     else:
         print(
             "\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below "
             "only show that the benchmark runs; they say nothing about speed."
         )
     names = ["copy", *columns, "liger (in place)", "flash-attn"]
-    table = [f"| shape (b, s, h, d) | layout | {' | '.join(names)} |", "|---" * (len(names) + 2)]
-    table[1] += "|"
+    header = f"| shape (b, s, h, d) | layout | {' | '.join(names)} |"
+    table = [header, "|---" * (len(names) + 2) + "|"]
     print(*table, sep="\n")
     for b, s, h, d in BENCH_SHAPES if on_gpu else [(2, 16, 4, 64)]:
         qk = torch.randn(2, b, s, h, d, device=DEVICE, dtype=torch.bfloat16)
@@ -960,7 +968,7 @@ def benchmark():
             for name, fn in columns.items():
                 calls[name] = functools.partial(fn, q, k, freqs, **kwargs)
             if on_gpu:
-                calls.update(_peers(fmt, q, k, freqs, cu_seqlens))
+                calls.update(_peers(fmt, q, k, freqs, cu_seqlens, liger, flash))
             us = {name: time_us(call, name == "ours: eager call") for name, call in calls.items()}
             cells = [f"{us[name]:.1f} us" if name in us else "n/a" for name in names]
             if on_gpu:  # the fraction of the copy's speed

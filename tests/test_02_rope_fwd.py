@@ -10,6 +10,7 @@ from conftest import DEVICE, ON_GPU, all_pairs, load, logical_shape, make_view, 
 rope = load("02_rope_fwd.py")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 B, S, H = (3, 300, 7) if ON_GPU else (2, 13, 3)
+S_FEW = S if ON_GPU else 5  # the tests that launch many times: fewer programs to interpret
 
 
 @pytest.mark.parametrize(
@@ -96,16 +97,16 @@ def test_torch_compile_fullgraph(fmt):
     write what eager writes, from q and k views of one packed tensor, bit for bit.
     Inductor on a GPU; on the CPU Inductor cannot run interpreted kernels, so aot_eager there."""
     torch._dynamo.reset()
-    qkv = make_view(logical_shape(fmt, B, S, 3 * 4, 80), torch.bfloat16, "contiguous")
+    qkv = make_view(logical_shape(fmt, B, S_FEW, 3 * 4, 80), torch.bfloat16, "contiguous")
     q, k = qkv[..., :4, :], qkv[..., 4:6, :]  # strided views; k with fewer heads
-    freqs = torch.randn(B * S + 5, 1, 1, 48, device=DEVICE)  # partial rotary, halves differ
+    freqs = torch.randn(B * S_FEW + 5, 1, 1, 48, device=DEVICE)  # partial rotary, halves differ
     kwargs = dict(
         tensor_format=fmt,
         interleaved=True,
         start_positions=torch.randint(0, 5, (B,), device=DEVICE),
     )
     if fmt == "thd":
-        kwargs["cu_seqlens"] = random_cu_seqlens(B, B * S)
+        kwargs["cu_seqlens"] = random_cu_seqlens(B, B * S_FEW)
     expected = rope.rope_reference(q, freqs, **kwargs), rope.rope_reference(k, freqs, **kwargs)
     backend = "inductor" if ON_GPU else "aot_eager"
     one = torch.compile(
@@ -132,7 +133,7 @@ def test_torch_compile_fullgraph(fmt):
             rope._angles_shared(freqs, True),
             kwargs.get("cu_seqlens"),
             kwargs["start_positions"],
-            B * S if fmt == "thd" else S,
+            B * S_FEW if fmt == "thd" else S_FEW,
             fmt,
             True,
         ),
@@ -432,12 +433,15 @@ def test_eager_calls_remember_by_signature_alignment_included():
 def test_plain_launcher_equals_the_public_call(fmt):
     """Part 1's launch_rope_fwd (both angles of a pair read, the longest sequence read on the host)
     writes what rope_fwd_qk writes, bit for bit, with a model's table and with any table."""
-    q = make_view(logical_shape(fmt, B, S, 4, 80), torch.bfloat16, "packed")
-    k = make_view(logical_shape(fmt, B, S, 2, 80), torch.bfloat16, "contiguous")
+    q = make_view(logical_shape(fmt, B, S_FEW, 4, 80), torch.bfloat16, "packed")
+    k = make_view(logical_shape(fmt, B, S_FEW, 2, 80), torch.bfloat16, "contiguous")
     kwargs = dict(tensor_format=fmt, interleaved=True)
     if fmt == "thd":
-        kwargs["cu_seqlens"] = random_cu_seqlens(B, B * S, with_empty=True)
-    for freqs in (rope.rope_freqs(B * S, 48, True, device=DEVICE), torch.randn(B * S, 1, 1, 48)):
+        kwargs["cu_seqlens"] = random_cu_seqlens(B, B * S_FEW, with_empty=True)
+    for freqs in (
+        rope.rope_freqs(B * S_FEW, 48, True, device=DEVICE),
+        torch.randn(B * S_FEW, 1, 1, 48),
+    ):
         freqs = freqs.to(DEVICE)
         plain = rope.launch_rope_fwd(q, k, freqs, **kwargs)
         for got, want in zip(plain, rope.rope_fwd_qk(q, k, freqs, **kwargs)):
