@@ -183,7 +183,7 @@ def launch_rotate_half_rows(x, interleaved=False):
     y = torch.empty(rows.shape, device=x.device, dtype=x.dtype)
     half = rows.shape[1] // 2
     HALF = triton.next_power_of_2(half)
-    BLOCK_R = max(1, 2048 // HALF)  # about 2048 elements a program
+    BLOCK_R = max(1, 2048 // HALF)  # about 2048 pairs (4096 elements) a program
     grid = (triton.cdiv(rows.shape[0], BLOCK_R),)
     rotate_half_rows_kernel[grid](
         rows,
@@ -214,8 +214,9 @@ def launch_rotate_half_rows(x, interleaved=False):
 #   R(t)*sin     reads N, writes N
 #   sum          reads 2N, writes N
 #   = 5N read + 4N written = 9N, plus a concatenation (2N more) when only d2 < d channels
-# rotate. A single fused pass reads N and writes N: 2N. 02 builds that kernel; the most it can
-# gain here is ~4.5x, and the benchmark in Part 3 measures how much of it eager actually loses.
+# rotate. A single fused pass reads N and writes N: 2N. 02 builds that kernel; the traffic count
+# predicts ~4.5x. Eager ops run below copy speed, so the gap the benchmark in Part 3 measures is
+# larger (results/01_rotate_half_H100.md).
 
 
 def rope_naive(t, freqs, tensor_format="sbhd", interleaved=False, rotate=launch_rotate_half):

@@ -142,8 +142,9 @@ def rope_reference(
 # batch the table counts: at (b, s, h, d) = (1, 32768, 8, 128) in bf16, q and k are 64 MiB each,
 # read and written: 256 MiB; the float32 table [32768, 128] is 16 MiB, so a kernel that reads it
 # whole can reach at most 256/272 = 94% of a copy of q and k. Real tables have equal halves, so the
-# kernel reads one half when a flag says so: 8 MiB, a cap of 256/264 = 97%. Any other table works
-# at full cost.
+# kernel skips the second half when a flag says so: with rotate-half's table that half is 8 MiB of
+# rows of its own, a cap of 256/264 = 97%; interleaved angles share their memory sectors, so the
+# whole table moves (94%). Any other table works at full cost.
 # The eager formula as TransformerEngine writes it (rope_reference with compute_dtype=None, the
 # benchmark's "eager" column) moves x*cos (N read, N written); R(x), a negated copy of half the
 # channels and then the halves joined (N/2, N/2, then N, N); R(x)*sin (N, N); the sum (2N, N); and
@@ -299,7 +300,8 @@ def rope_fwd_kernel(
         pos = s + tl.load(start_positions_ptr + batch)
 
     # The angles of these tokens, turned into cos/sin once for every q and k head. When the table's
-    # halves are equal (the flag), the second half is not loaded: a masked-off load moves no bytes.
+    # halves are equal (the flag), the second half is not loaded: a masked-off load moves no bytes
+    # (for rotate-half's table; interleaved pairs share sectors, which move anyway).
     i = tl.arange(0, HALF)
     if INTERLEAVED:
         f_a, f_b = 2 * i, 2 * i + 1
@@ -497,8 +499,10 @@ def rope_fwd_launch_args(
 def launch_rope_fwd(
     q, k, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None, start_positions=None
 ):
-    """RoPE of q and k (k may be None) in one launch, into new contiguous tensors; arguments as
-    rope_fwd_qk's, unchecked. Returns (q_out, k_out). It reads both angles of every pair (right
+    """RoPE of q and k (k may be None) in one launch, into new contiguous tensors. q, k: [s, b, h,
+    d] | [b, s, h, d] | [total_tokens, h, d] as tensor_format says; freqs: float32 angles [s2, 1, 1,
+    d2]; cu_seqlens: int32 [b + 1] (thd); start_positions: int [b]; unchecked (Part 2 checks).
+    Returns (q_out, k_out). It reads both angles of every pair (right
     for any table); Part 2 tells the kernel when the halves are equal, so that it reads one."""
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     k_out = None
@@ -527,7 +531,7 @@ def launch_rope_fwd(
 
 # %% Part 2 - the drop-in
 # Part 1's kernel as the public rope_fwd and rope_fwd_qk. Each piece, and what it buys (the host
-# cost of an eager call: results/host_cost.py and its pages):
+# cost of an eager call: results/host_cost.py, measured on results/compare_H100.md):
 # - argument checks, once per call signature: a bad argument fails with a message naming it, never
 #   inside the kernel or as a wrong result, and a good one is not checked again;
 # - values read once per tensor: cu_seqlens and start_positions cost a host sync to check; q, k

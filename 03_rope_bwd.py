@@ -14,11 +14,13 @@ In this tutorial, you will learn about:
   one tensor;
 * registering Triton kernels with ``torch.library`` (``triton_op`` + ``wrap_triton``) so that
   ``torch.compile(fullgraph=True)`` captures them, and keeping host syncs out of compiled code;
-* checking gradients with ``torch.autograd.gradcheck`` in float64, and what autograd over the
-  eager formula costs.
+* checking gradients against autograd through the reference (and, in the tests, with
+  ``torch.autograd.gradcheck`` in float64: the kernel computes float64 as float64), and what
+  autograd over the eager formula costs.
 
 How to read this file. Part 1 is the lesson (about 45 minutes): the PyTorch reference, the
-backward derived, the memory traffic (fused QKV and context parallelism included), the kernel, and
+backward derived, the memory traffic (fused QKV included), context parallelism's position map, the
+kernel, and
 ``launch_rope``, a plain launcher built on ``rope_launch_args``. Part 2 is the drop-in: argument
 checks, the per-signature launch cache, the ``torch.library`` op, the autograd Function,
 TransformerEngine's three entry points and ``rope_freqs``; skip it on a first read. Part 3 checks
@@ -262,7 +264,7 @@ def _cos_sin(
     IS_FP64: tl.constexpr,
 ):
     """(cos_a, sin_a, cos_b, sin_b), [BLOCK_S, 1, HALF] each; f_b read only if the table's halves
-    differ (as in 02)."""
+    differ (as in 02: rotate-half's table then moves half its bytes)."""
     i = tl.arange(0, HALF)
     if INTERLEAVED:
         f_a, f_b = 2 * i, 2 * i + 1
@@ -713,8 +715,10 @@ def launch_rope(
     cp_rank=0,
 ):
     """RoPE of q and k (k may be None) in one launch, into new contiguous tensors; backward=True:
-    their gradients from the outputs' (the transposed rotation). Arguments as
-    apply_rotary_pos_emb's, unchecked. Returns (q_out, k_out). The kernel reads both angles of
+    their gradients from the outputs' (the transposed rotation). q, k: [s, b, h, d] | [b, s, h, d]
+    | [total_tokens, h, d] as tensor_format says; freqs: float32 angles [s2, 1, 1, d2]; cu_seqlens:
+    int32 [b + 1] (thd); start_positions: int [b]; cp_size, cp_rank: context parallelism; all
+    unchecked (Part 2 checks). Returns (q_out, k_out). The kernel reads both angles of
     every pair (angles_shared = 0: right for any table); Part 2 tells it when the table's halves
     are equal, so that it reads one."""
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -750,7 +754,8 @@ def launch_rope(
 # - values read once per tensor: cu_seqlens and start_positions cost one host sync, not one a call,
 #   and the "halves equal" flag of a table (the kernel then reads one angle a pair) one computation;
 # - a torch.library op: torch.compile(fullgraph=True) captures the launch without a graph break;
-# - an autograd Function: gradients and double backward, saving nothing but the angle tables;
+# - an autograd Function: gradients and double backward, saving only the angle tables, their
+#   flags and the index tensors;
 # - TransformerEngine's three entry points and its contract: contiguous outputs, context
 #   parallelism, fused QKV, ``fused=`` accepted and ignored; rope_freqs builds its angle tables.
 

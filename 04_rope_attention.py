@@ -120,8 +120,10 @@ def attention_reference(
 #   dq (6U), the dkdv kernel reads rq, rk, v, dO and writes dk, dv (6U): 7U + 12U, every loop plain
 #   FlashAttention. Reading rq, rk, v and dO in both kernels (4U more than one kernel would) buys
 #   dq summed in a fixed order (see the backward).
-# Variants that were measured and not kept are on results/04_rope_attention_ab.log and
-# results/04_hopper.md.
+# The alternatives lose: K tiles rotated inside the loops, or q rotated again in the backward, move
+# more bytes or instructions into the loops; dq summed by float32 atomics is slower and its sums
+# change order from run to run; tensor-descriptor (TMA) loads and warp specialization gain nothing
+# under Triton 3.6 on Hopper (results/04_rope_attention_ab.log, results/04_hopper.md).
 #
 # The rotated layout
 # ------------------
@@ -135,9 +137,10 @@ def attention_reference(
 # %%
 # The forward kernels
 # -------------------
-# Offsets: a head's base pointer is int64, offsets within it int32 unless they could reach 2^31
-# (WIDE). The rotation pass takes BLOCK_S positions x HEADS heads of k per program and writes rk
-# and the cos/sin table; the attention kernel is FlashAttention's forward on rq, rk and v.
+# Offsets in the attention kernels: a head's base pointer is int64, offsets within it int32 unless
+# they could reach 2^31 (WIDE); the rotation pass computes its offsets in int64. The rotation pass
+# takes BLOCK_S positions x HEADS heads of k per program and writes rk and the cos/sin table; the
+# attention kernel is FlashAttention's forward on rq, rk and v.
 
 
 @triton.jit
@@ -229,7 +232,8 @@ def rope_pass_kernel(
 ):
     """BLOCK_S positions x HEADS heads of one sequence, one tile of BLOCK_S * HEADS rows: y = R x,
     from x's own layout into the rotated one (k to rk), with cos and sin taken once per position;
-    the programs of sequence 0 write them to the table the other kernels read."""
+    the programs of batch 0's first block of heads write them to the table the other kernels
+    read."""
     pid_s, b, pid_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     r = tl.arange(0, BLOCK_S * HEADS)
     pos, head = (pid_s * BLOCK_S + r // HEADS).to(tl.int64), pid_h * HEADS + r % HEADS
@@ -590,7 +594,8 @@ def launch_forward(
     """The forward: the rotation pass, then the attention kernel; no argument checks.
 
     q: [b, s, h, d]; k, v: [b, s, h_kv, d]; any strides. freqs: float32 angles [s2, 1, 1, d2].
-    sm_scale: the softmax scale, as d ** -0.5. key_mask: [b, s], nonzero = a real token, or None.
+    sm_scale: the softmax scale, as d ** -0.5. key_mask: contiguous [b, s], nonzero = a real
+    token, or None.
     Returns o [b, s, h, d], and what the backward reads: lse [b, h, s] (float32, base 2),
     rq [b, h, s, W] (empty unless save_rq), rk [b, h_kv, s, W] and trig [s, 4 * HALF].
     launch(kernel, tensors, builder, *builder_args) launches each kernel: _launch, or Part 2's
@@ -996,7 +1001,7 @@ def launch_backward(
 #   gradient as one tensor, with no stacking copy;
 # - rope_freqs: the angle table as TransformerEngine lays it out, for callers.
 # What an eager call costs on the host, against an empty op and PyTorch's own: results/host_cost.py
-# and its pages (indexed in results/README.md).
+# measures it; results/compare_H100.md holds a run.
 Tensor = torch.Tensor
 
 

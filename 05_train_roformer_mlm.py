@@ -264,7 +264,7 @@ class RoFormerSelfAttention(nn.Module):
             return out.to(qkv.dtype).reshape(b, s, hidden)
         q, k, v = qkv.unbind(2)
         # The other paths rotate q and k, then call SDPA. torch: PyTorch alone, 03's reference RoPE
-        # (Hugging Face's own model is --bench's "hf"); naive: 01's, three passes over memory;
+        # (Hugging Face's own model is --bench's "hf"); naive: 01's, four passes over memory (9N);
         # triton: 03's kernel, one pass each way, and 02's forward-only kernel at evaluation.
         if self.attn == "torch":
             q, k = (
@@ -549,6 +549,17 @@ def adamw(model, args, cuda):
     return torch.optim.AdamW(
         groups, lr=args.lr, betas=(0.9, 0.98), eps=1e-6, weight_decay=args.weight_decay, fused=cuda
     )
+
+
+# %%
+# The step and the loop
+# ---------------------
+# The loop trains `stepped`, the model as Part 2's prepare() hands it over: on the device, its
+# encoder replayed from CUDA graphs, wrapped in DDP under torchrun (which averages the gradients
+# over the ranks), compiled; the same parameters as `model`, which is saved and evaluated. One
+# trap of the graphs: a replay hands out weight gradients in the graph's own buffers, so with
+# accumulation each .grad must stay allocated between steps (zero_grad(set_to_none=False)). The
+# step is one function, which --bench (Part 3) times as the loop runs it.
 
 
 def train_step(model, optimizer, micro_batches, args, ddp):
