@@ -25,14 +25,11 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ON_GPU = torch.cuda.is_available()
@@ -59,22 +56,6 @@ def load_host_cost():
 
 
 host_cost = load_host_cost()
-
-
-def time_us(fn, eager_call):
-    """Median us per call: GPU time (a CUDA graph's replay) or ten eager calls in a row."""
-    if not ON_GPU:
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e6
-    if eager_call:
-
-        def ten_calls():
-            for _ in range(10):
-                fn()
-
-        return triton.testing.do_bench(ten_calls, return_mode="median") * 100
-    return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
 
 
 def forward_and_backward(forward, inputs, grads):
@@ -149,8 +130,9 @@ def load_version(folder, prefix):
     return host_cost.load_scripts(folder, prefix)
 
 
-def side_by_side(calls_by_version, eager_call):
-    """{row: {version: median us}}, the versions taking turns, in alternating order."""
+def side_by_side(calls_by_version, eager_call, time_us):
+    """{row: {version: median us}}, the versions taking turns, in alternating order; time_us: the
+    later version's own timer (02's), the same for both."""
     versions = list(calls_by_version)
     times = {row: {v: [] for v in versions} for row in calls_by_version[versions[0]]}
     for round_ in range(ROUNDS):
@@ -215,7 +197,8 @@ def main():
         calls = {name: rows(modules[name][index]) for name in names}
         for eager_call in (False, True):
             title = "eager call" if eager_call else "GPU time"
-            lines = table(title, side_by_side(calls, eager_call), names)
+            by_row = side_by_side(calls, eager_call, modules["after"][0].time_us)
+            lines = table(title, by_row, names)
             print(*lines, sep="\n", flush=True)
             page += [""] + lines
     if ON_GPU:
