@@ -154,13 +154,14 @@ def rope_reference(
 #
 # The kernel
 # ----------
-# The kernel is written for a block of BLOCK_S tokens of one sequence a program; the launch below
-# gives each program one token (BLOCK_S = 1) and all heads of q and k, BLOCK_H at a time in at most
-# four unrolled steps (any head count). cos and sin, which depend on the position only, are taken
+# The kernel is written for a block of BLOCK_S tokens a program; the launch below gives each
+# program one token (BLOCK_S = 1) and all heads of q and k, BLOCK_H at a time in at most four
+# unrolled steps (any head count). cos and sin, which depend on the position only, are taken
 # once for every head. Each tile is read and written once, in contiguous loads (_load_pairs);
 # pass-through channels (d2 < d) are copied. Offsets come from the strides, in int64 (views,
-# tensors past 2**31 elements). In thd, cu_seqlens maps the batch index to a sequence and the batch
-# stride is 0: one kernel for three layouts.
+# tensors past 2**31 elements). In thd a program's tokens are rows of the packed tensor (batch
+# stride 0), each finding its sequence, and so its position, in cu_seqlens: one kernel for three
+# layouts.
 
 
 @triton.jit
@@ -232,6 +233,25 @@ def _copy_pass_through(
 
 
 @triton.jit
+def _sequence_of(cu_seqlens_ptr, token, n_seqs, WAYS: tl.constexpr):
+    """The sequence that holds each packed token: the last i with cu_seqlens[i] <= token (so
+    empty sequences are skipped), by a WAYS-ary search. Each step loads WAYS probes at once and
+    keeps the slice between the last probe at or below the token and the next: log_WAYS(b) steps
+    that wait on one another's loads, not a binary search's log2(b)."""
+    lo = tl.zeros_like(token)
+    width = lo + n_seqs  # invariant: the answer is one of lo .. lo + width - 1
+    while tl.max(width, axis=0) > 1:
+        step = (width + WAYS - 1) // WAYS
+        probe = lo[:, None] + step[:, None] * (tl.arange(0, WAYS) + 1)[None, :]
+        inside = probe < (lo + width)[:, None]
+        cu = tl.load(cu_seqlens_ptr + probe, mask=inside, other=0)
+        count = tl.sum((inside & (cu <= token[:, None])).to(tl.int32), axis=1)  # a prefix
+        lo = lo + count * step
+        width = tl.minimum(step, width - count * step)
+    return lo
+
+
+@triton.jit
 def rope_fwd_kernel(
     q_ptr,
     q_out_ptr,
@@ -279,25 +299,24 @@ def rope_fwd_kernel(
     COPY_PASS: tl.constexpr,
     BATCH_FASTEST: tl.constexpr,
 ):
-    # A 1-D grid of n_batch x n_seq_blocks programs, numbered so that programs running side by side
-    # touch neighbouring memory: in sbhd the batch index moves fastest, in bshd and thd the block of
-    # positions does.
+    # A 1-D grid, numbered so that programs running side by side touch neighbouring memory: in
+    # sbhd the batch index moves fastest, in bshd the block of positions does; in thd the programs
+    # walk the packed tokens (seqlen is then their number), each finding its token's sequence.
     pid = tl.program_id(0)
-    if BATCH_FASTEST:
-        pid_s, batch = pid // n_batch, pid % n_batch
+    if IS_THD:
+        s = pid * BLOCK_S + tl.arange(0, BLOCK_S)  # packed tokens
+        batch = _sequence_of(cu_seqlens_ptr, s, n_batch, WAYS=8)
+        pos = s - tl.load(cu_seqlens_ptr + batch)
     else:
-        pid_s, batch = pid % n_seq_blocks, pid // n_seq_blocks
-    first_token = 0
-    if IS_THD:  # sequence `batch` owns tokens cu_seqlens[batch] .. cu_seqlens[batch + 1] - 1
-        first_token = tl.load(cu_seqlens_ptr + batch)
-        seqlen = tl.load(cu_seqlens_ptr + batch + 1) - first_token
-    if pid_s * BLOCK_S >= seqlen:
-        return
-    s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+        if BATCH_FASTEST:
+            pid_s, batch = pid // n_batch, pid % n_batch
+        else:
+            pid_s, batch = pid % n_seq_blocks, pid // n_seq_blocks
+        s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+        pos = s
     row_mask = s < seqlen
-    pos = s
     if HAS_START_POSITIONS:
-        pos = s + tl.load(start_positions_ptr + batch)
+        pos = pos + tl.load(start_positions_ptr + batch)
 
     # The angles of these tokens, turned into cos/sin once for every q and k head. When the table's
     # halves are equal (the flag), the second half is not loaded: a masked-off load moves no bytes
@@ -318,9 +337,9 @@ def rope_fwd_kernel(
     cos_a, sin_a = tl.cos(angle_a), tl.sin(angle_a)
     cos_b, sin_b = tl.cos(angle_b), tl.sin(angle_b)
 
-    # Row offsets in int64 (thd passes batch strides of 0), as [BLOCK_S, 1, 1] for the tiles.
-    tokens = (first_token + s).to(tl.int64)[:, None, None]
-    batch = batch.to(tl.int64)
+    # Row offsets in int64, as [BLOCK_S, 1, 1] for the tiles.
+    tokens = s.to(tl.int64)[:, None, None]
+    batch = 0 if IS_THD else batch.to(tl.int64)  # thd's rows are the packed tokens themselves
     q_rows = q_ptr + batch * stride_qb + tokens * stride_qs
     q_out_rows = q_out_ptr + batch * stride_qob + tokens * stride_qos
     k_rows = k_ptr + batch * stride_kb + tokens * stride_ks
@@ -411,9 +430,18 @@ def rope_fwd_kernel(
 # One token a program (BLOCK_S = 1), its heads in at most four unrolled steps of BLOCK_H (a quarter
 # of the head count's next power of 2), two warps (four for big tiles): many small programs keep
 # the most bytes in flight per multiprocessor (the sweep of BLOCK_S x BLOCK_H x warps:
-# results/02_rope_fwd_sweep.log). So n_seq_blocks, the blocks of BLOCK_S tokens of a sequence, is
-# the sequence length. The grid needs the longest sequence: in thd, on the host, that is one sync
-# to read cu_seqlens (Part 2 remembers it).
+# results/02_rope_fwd_sweep.log). So the grid is batch x seqlen programs, or in thd one program a
+# packed token.
+#
+# Why thd walks the packed tokens. A grid of (sequence, position up to the longest sequence) is
+# the obvious one, but it is sized by the longest sequence: with one sequence of 32,768 tokens
+# packed among 1,023 of 32, it has 1,024 x 32,768 programs for 65,504 tokens, almost all of which
+# return at once. It also needs the longest sequence on the host, a sync that a compiled graph
+# cannot make, so a graph must bound it (by the tokens, or the table's rows). Walking the tokens,
+# a program finds its token's sequence in cu_seqlens instead: a search whose steps wait on one
+# another's loads, so an 8-way search (4 steps for 4,000 sequences) rather than a binary one (12).
+# On an H200, at that packing, the first grid took 20.3 ms and this one 0.14 ms, eager and
+# compiled (results/compare_thd_H200.md); the search's ways: results/02_thd_search_H200.log.
 
 
 def _layout(t, tensor_format):
@@ -438,23 +466,20 @@ def rope_fwd_launch_args(
     angles_shared,
     cu_seqlens,
     start_positions,
-    seqlen,
     tensor_format,
     interleaved,
 ):
     """rope_fwd_kernel's launch as (grid, tensors, scalars, constexprs), for
     ``rope_fwd_kernel[grid](*tensors, *scalars, **constexprs)``: RoPE(q) into q_out and RoPE(k)
-    into k_out. k, cu_seqlens and start_positions may be None; seqlen: the longest sequence (or a
-    bound on it); angles_shared: int32 [1], 1 if the table's halves are equal."""
+    into k_out. k, cu_seqlens and start_positions may be None; angles_shared: int32 [1], 1 if the
+    table's halves are equal."""
     has_k = k is not None
     if not has_k:  # q and q_out stand in: never read (HAS_K)
         k = q
         k_out = q_out
     tensors = (q, q_out, k, k_out, freqs, angles_shared, cu_seqlens, start_positions)
     tensors = tuple(freqs if x is None else x for x in tensors)  # freqs stands in: never read
-    (batch, _, _, head_dim), q_strides = _layout(q, tensor_format)
-    if tensor_format == "thd":
-        batch = cu_seqlens.numel() - 1
+    (batch, seqlen, _, head_dim), q_strides = _layout(q, tensor_format)
     rot_dim = freqs.shape[3]
     n_q_heads = q.shape[-2]
     n_k_heads = k.shape[-2]
@@ -462,7 +487,11 @@ def rope_fwd_launch_args(
     n_seq_blocks = triton.cdiv(seqlen, BLOCK_S)
     BLOCK_H = max(1, _pow2(max(n_q_heads, n_k_heads)) // 4)  # the heads in at most four steps
     HALF = _pow2(rot_dim // 2)
-    grid = (batch * n_seq_blocks,)
+    if tensor_format == "thd":  # seqlen: the packed tokens, each program finds its sequence
+        batch = cu_seqlens.numel() - 1
+        grid = (n_seq_blocks,)
+    else:
+        grid = (batch * n_seq_blocks,)
     scalars = (
         batch,
         n_seq_blocks,
@@ -508,9 +537,6 @@ def launch_rope_fwd(
     k_out = None
     if k is not None:
         k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
-    seqlen = _layout(q, tensor_format)[0][1]
-    if tensor_format == "thd":  # the longest sequence: a host sync
-        seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     angles_shared = torch.zeros(1, dtype=torch.int32, device=q.device)  # read both angles
     grid, tensors, scalars, constexprs = rope_fwd_launch_args(
         q,
@@ -521,7 +547,6 @@ def launch_rope_fwd(
         angles_shared,
         cu_seqlens,
         start_positions,
-        seqlen,
         tensor_format,
         interleaved,
     )
@@ -535,17 +560,16 @@ def launch_rope_fwd(
 # - argument checks, once per call signature: a bad argument fails with a message naming it, never
 #   inside the kernel or as a wrong result, and a good one is not checked again;
 # - values read once per tensor: cu_seqlens and start_positions cost a host sync to check; q, k
-#   and every layer of a batch share them, so the verdict (and the longest sequence) is kept for
-#   the last tensors seen, by identity and version counter, which in-place writes bump; so is the
-#   table's "halves equal" flag, computed on the device;
+#   and every layer of a batch share them, so the verdict is kept for the last tensors seen, by
+#   identity and version counter, which in-place writes bump; so is the table's "halves equal"
+#   flag, computed on the device;
 # - the launch cache around rope_fwd_launch_args: Triton's ``kernel[grid](...)`` binds and
 #   specializes its 45 arguments on every call, yet all of it depends on the signature only (the
 #   tensors' shapes, strides, dtypes, devices and 16-byte alignment, on which Triton specializes
 #   pointers); a signature's later calls go straight to the compiled kernel;
 # - a torch.library.custom_op that writes its outputs (mutates_args): one opaque node for
-#   torch.compile(fullgraph=True). A graph must not sync, so compiled calls skip the value checks,
-#   and in thd the grid covers a bound on the longest sequence, min(tokens, rows of freqs):
-#   programs past a sequence's end return at once.
+#   torch.compile(fullgraph=True). A graph must not sync, so compiled calls skip the value checks;
+#   the launch is the eager call's (thd's grid needs the token count only).
 
 _checked = {}
 _launches = {}
@@ -588,8 +612,7 @@ def _remember(what, tensors, extra_key, compute):
 
 
 def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
-    """Check the values of cu_seqlens and start_positions (a host sync); return the longest
-    sequence."""
+    """Check the values of cu_seqlens and start_positions (a host sync)."""
     if cu_seqlens is not None:
         cu = cu_seqlens.tolist()
         if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
@@ -612,7 +635,6 @@ def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
             f"positions up to {needed - 1} are needed (start_positions + sequence length) "
             f"but freqs has only {max_positions} rows (s2)"
         )
-    return max(lengths, default=0)
 
 
 def _halves_equal(freqs, interleaved):  # traced into the graph under torch.compile
@@ -740,12 +762,11 @@ def _launch(
     angles_shared: torch.Tensor,
     cu_seqlens: Optional[torch.Tensor],
     start_positions: Optional[torch.Tensor],
-    seqlen: int,
     tensor_format: str,
     interleaved: bool,
 ) -> None:
     """Write RoPE(q) into q_out (and RoPE(k) into k_out): the op's body."""
-    args = (q, q_out, k, k_out, freqs, angles_shared, cu_seqlens, start_positions, seqlen)
+    args = (q, q_out, k, k_out, freqs, angles_shared, cu_seqlens, start_positions)
     key = (*_signature(*args), tensor_format, interleaved)
     _launch_cached(key, *args, tensor_format, interleaved)
 
@@ -791,24 +812,21 @@ def _rope(tensors, freqs, tensor_format, interleaved, cu_seqlens, start_position
             )
     t = tensors[0]
     k = tensors[1] if len(tensors) == 2 else None
-    max_positions = freqs.shape[0]
-    if tracing and tensor_format == "thd":  # no host sync in a graph: a bound on the longest
-        seqlen = min(t.shape[0], max_positions)
-    elif not tracing and (cu_seqlens is not None or start_positions is not None):
+    if not tracing and (cu_seqlens is not None or start_positions is not None):
         given = tuple(x for x in (cu_seqlens, start_positions) if x is not None)
-        sizes = (seqlen, t.shape[0], max_positions)
+        sizes = (seqlen, t.shape[0], freqs.shape[0])
         read = functools.partial(_read_values, cu_seqlens, start_positions, *sizes)
-        seqlen = _remember("values checked", given, sizes, read)
+        _remember("values checked", given, sizes, read)
     outs = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in tensors]
-    if t.numel() == 0 or seqlen == 0:
+    if all(x.numel() == 0 for x in tensors):
         return outs
     k_out = outs[1] if k is not None else None
     args = (t, outs[0], k, k_out, freqs, _angles_shared(freqs, interleaved), cu_seqlens)
-    args += (start_positions, seqlen)
+    args += (start_positions,)
     if tracing:
         _rope_op(*args, tensor_format, interleaved)
     else:  # the eager launch, past the op's dispatch; the checks' key, known, keys it too
-        _launch_cached((key, interleaved, seqlen), *args, tensor_format, interleaved)
+        _launch_cached((key, interleaved), *args, tensor_format, interleaved)
     return outs
 
 
@@ -873,13 +891,19 @@ def self_check():
 
 
 BENCH_SHAPES = [(4, 4096, 32, 128), (32, 512, 12, 64), (1, 32768, 8, 128)]  # (b, s, h, d)
+PACKINGS = {  # thd, about 65K tokens of 8 heads of 128 channels: the sequences' lengths
+    "64 x 1024": [1024] * 64,
+    "2048 x 32": [32] * 2048,
+    "1023 x 32 + 1 x 32768": [32] * 1023 + [32768],
+    "4000 x 1-32": torch.randint(1, 33, (4000,), generator=torch.Generator().manual_seed(0)),
+}
 TIMED = (
-    "bf16 q and k. Each cell is GPU time, the median of `triton.testing.do_bench_cudagraph` (work "
-    'replayed from a CUDA graph), except "ours: eager call": the median of '
-    "`triton.testing.do_bench` over ten calls in a row, per call, host cost included. eager, "
-    "torch.compile: TransformerEngine's unfused formula. (x%): the speed as a fraction of a "
-    "device-to-device copy of the same bytes, in the same run. n/a: a peer not importable, or not "
-    "for this layout."
+    "bf16 q and k; packed: thd, the sequences' lengths shown, 8 heads, head dim 128. Each cell is "
+    "GPU time, the median of `triton.testing.do_bench_cudagraph` (work replayed from a CUDA "
+    'graph), except "ours: eager call": the median of `triton.testing.do_bench` over ten calls '
+    "in a row, per call, host cost included. eager, torch.compile: TransformerEngine's unfused "
+    "formula. (x%): the speed as a fraction of a device-to-device copy of the same bytes, in the "
+    "same run. n/a: a peer not importable, or not for this layout."
 )
 
 
@@ -941,6 +965,24 @@ def _peers(fmt, q, k, freqs, cu_seqlens, rope_forward, apply_rotary):
     return peers
 
 
+def _rows(on_gpu):
+    """Each row's (shape or packing, layout, q and k stacked, freqs, cu_seqlens)."""
+    for b, s, h, d in BENCH_SHAPES if on_gpu else [(2, 16, 4, 64)]:
+        qk = torch.randn(2, b, s, h, d, device=DEVICE, dtype=torch.bfloat16)
+        freqs = rope_freqs(s, d, device=DEVICE)
+        cu_seqlens = torch.arange(0, b * s + 1, s, dtype=torch.int32, device=DEVICE)
+        yield (b, s, h, d), "bshd", qk, freqs, None
+        yield (b, s, h, d), "sbhd", qk.transpose(1, 2).contiguous(), freqs, None
+        yield (b, s, h, d), "thd", qk.flatten(1, 2), freqs, cu_seqlens
+    packings = PACKINGS if on_gpu else {"3 x 1-5 + 1 x 24": [3, 1, 5, 24]}
+    for packing, lengths in packings.items():
+        lengths = torch.as_tensor(lengths, device=DEVICE)
+        cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        qk = torch.randn(2, int(cu_seqlens[-1]), 8, 128, device=DEVICE, dtype=torch.bfloat16)
+        freqs = rope_freqs(int(lengths.max()), 128, device=DEVICE)
+        yield f"packed: {packing}", "thd", qk, freqs, cu_seqlens
+
+
 def benchmark():
     """Prints each row as measured; returns the table's lines."""
     on_gpu = DEVICE.type == "cuda"
@@ -960,28 +1002,23 @@ def benchmark():
     header = f"| shape (b, s, h, d) | layout | {' | '.join(names)} |"
     table = [header, "|---" * (len(names) + 2) + "|"]
     print(*table, sep="\n")
-    for b, s, h, d in BENCH_SHAPES if on_gpu else [(2, 16, 4, 64)]:
-        qk = torch.randn(2, b, s, h, d, device=DEVICE, dtype=torch.bfloat16)
-        freqs = rope_freqs(s, d, device=DEVICE)
-        copy = functools.partial(torch.empty_like(qk).copy_, qk)
-        cu_seqlens = torch.arange(0, b * s + 1, s, dtype=torch.int32, device=DEVICE)
-        layouts = {"bshd": qk, "sbhd": qk.transpose(1, 2).contiguous(), "thd": qk.flatten(1, 2)}
-        for fmt, (q, k) in layouts.items():
-            kwargs = dict(tensor_format=fmt, cu_seqlens=cu_seqlens if fmt == "thd" else None)
-            calls = {"copy": copy}
-            for name, fn in columns.items():
-                calls[name] = functools.partial(fn, q, k, freqs, **kwargs)
-            if on_gpu:
-                calls.update(_peers(fmt, q, k, freqs, cu_seqlens, liger, flash))
-            us = {name: time_us(call, name == "ours: eager call") for name, call in calls.items()}
-            cells = [f"{us[name]:.1f} us" if name in us else "n/a" for name in names]
-            if on_gpu:  # the fraction of the copy's speed
-                cells = [
-                    f"{cell} ({100 * us['copy'] / us[name]:.0f}%)" if name in us else cell
-                    for cell, name in zip(cells, names)
-                ]
-            table.append(f"| {(b, s, h, d)} | {fmt} | " + " | ".join(cells) + " |")
-            print(table[-1], flush=True)
+    for shape, fmt, qk, freqs, cu_seqlens in _rows(on_gpu):
+        q, k = qk
+        calls = {"copy": functools.partial(torch.empty_like(qk).copy_, qk)}
+        kwargs = dict(tensor_format=fmt, cu_seqlens=cu_seqlens)
+        for name, fn in columns.items():
+            calls[name] = functools.partial(fn, q, k, freqs, **kwargs)
+        if on_gpu:
+            calls.update(_peers(fmt, q, k, freqs, cu_seqlens, liger, flash))
+        us = {name: time_us(call, name == "ours: eager call") for name, call in calls.items()}
+        cells = [f"{us[name]:.1f} us" if name in us else "n/a" for name in names]
+        if on_gpu:  # the fraction of the copy's speed
+            cells = [
+                f"{cell} ({100 * us['copy'] / us[name]:.0f}%)" if name in us else cell
+                for cell, name in zip(cells, names)
+            ]
+        table.append(f"| {shape} | {fmt} | " + " | ".join(cells) + " |")
+        print(table[-1], flush=True)
     return table
 
 

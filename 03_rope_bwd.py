@@ -160,12 +160,10 @@ def rope_reference(
 # ----------
 # 02's kernel, generalised: (1) BACKWARD swaps and negates the sines (derived above). (2) float64
 # is computed in float64 (for gradcheck), other dtypes in float32. (3) In thd the grid walks the
-# packed tokens, each finding its sequence by binary search in cu_seqlens: 02's grid needs the
-# longest sequence, known on the host only after a sync; this one needs none, so compiled code
-# launches it exactly. (4) Positions go through the context-parallel map (identity for
-# cp_size = 1). (5) Fused QKV: q head j at group j // g, channel (j % g) d; k's own angle table; v
-# copied by the same program. Angle rows past the table are masked (read as 0), not read out of
-# bounds.
+# packed tokens, each finding its sequence by 02's search in cu_seqlens (divided by cp_size). (4)
+# Positions go through the context-parallel map (identity for cp_size = 1). (5) Fused QKV: q head
+# j at group j // g, channel (j % g) d; k's own angle table; v copied by the same program. Angle
+# rows past the table are masked (read as 0), not read out of bounds.
 
 
 @triton.jit
@@ -236,15 +234,19 @@ def _copy_pass_through(
 
 
 @triton.jit
-def _sequence_of(cu_seqlens_ptr, token, n_seqs, cp_size):
-    """Each token's sequence: the last i with cu_seqlens[i] / cp_size <= token, by binary search
-    (its probes, few and shared by the program's tokens, hit the cache)."""
+def _sequence_of(cu_seqlens_ptr, token, n_seqs, cp_size, WAYS: tl.constexpr):
+    """Each token's sequence: the last i with cu_seqlens[i] / cp_size <= token, by 02's WAYS-ary
+    search (log_WAYS(b) steps of WAYS probes loaded at once)."""
     lo = tl.zeros_like(token)
-    hi = lo + n_seqs  # invariant: cu_seqlens[lo] <= token < cu_seqlens[hi] (divided by cp_size)
-    while tl.max(hi - lo, axis=0) > 1:
-        mid = (lo + hi) // 2
-        right = tl.load(cu_seqlens_ptr + mid) // cp_size <= token
-        lo, hi = tl.where(right, mid, lo), tl.where(right, hi, mid)
+    width = lo + n_seqs  # invariant: the answer is one of lo .. lo + width - 1
+    while tl.max(width, axis=0) > 1:
+        step = (width + WAYS - 1) // WAYS
+        probe = lo[:, None] + step[:, None] * (tl.arange(0, WAYS) + 1)[None, :]
+        inside = probe < (lo + width)[:, None]
+        cu = tl.load(cu_seqlens_ptr + probe, mask=inside, other=0) // cp_size
+        count = tl.sum((inside & (cu <= token[:, None])).to(tl.int32), axis=1)  # a prefix
+        lo = lo + count * step
+        width = tl.minimum(step, width - count * step)
     return lo
 
 
@@ -369,7 +371,7 @@ def rope_kernel(
     if IS_THD:
         s = pid * BLOCK_S + tl.arange(0, BLOCK_S)
         row_mask = s < seqlen
-        batch = _sequence_of(cu_seqlens_ptr, s, n_batch, cp_size)  # one sequence per token
+        batch = _sequence_of(cu_seqlens_ptr, s, n_batch, cp_size, WAYS=8)  # one sequence a token
         first = tl.load(cu_seqlens_ptr + batch) // cp_size
         length = tl.load(cu_seqlens_ptr + batch + 1) // cp_size - first
         pos = s - first
@@ -1457,12 +1459,19 @@ def self_check():
     )
 
 
+PACKINGS = {  # thd, about 65K tokens of 8 heads of 128 channels: the sequences' lengths
+    "64 x 1024": [1024] * 64,
+    "2048 x 32": [32] * 2048,
+    "1023 x 32 + 1 x 32768": [32] * 1023 + [32768],
+    "4000 x 1-32": torch.randint(1, 33, (4000,), generator=torch.Generator().manual_seed(0)),
+}
 TIMED = (
-    'bf16, bshd. Fused QKV: qkv [b, s, h / 4, 6 d], 4 q heads a group; "three calls": split, q '
-    "copied out, q and k rotated by `apply_rotary_pos_emb`. eager, torch.compile: TE's unfused "
-    "formula; compiled: per shape, fullgraph. A cell: median GPU time (`do_bench_cudagraph`) or "
-    '("eager call") of ten calls in a row (`do_bench`), per call, host cost included; (x%): a '
-    "same-run copy of the bytes that must move (x2 forward + backward) over the cell's time."
+    "bf16, bshd; packed: thd, the sequence lengths shown, 8 heads, head dim 128. Fused QKV: qkv "
+    '[b, s, h / 4, 6 d], 4 q heads a group; "three calls": split, q copied out, q and k rotated '
+    "by `apply_rotary_pos_emb`. eager, torch.compile: TE's unfused formula; compiled: per shape, "
+    'fullgraph. A cell: median GPU time (`do_bench_cudagraph`) or ("eager call") of ten calls in '
+    "a row (`do_bench`), per call, host cost included; (x%): a same-run copy of the bytes that "
+    "must move (x2 forward + backward) over the cell's time."
 )
 
 
@@ -1484,8 +1493,10 @@ def time_us(fn, eager_call=False):
     return triton.testing.do_bench_cudagraph(fn, return_mode="median") * 1e3
 
 
-def _eager(q, k, freqs, tensor_format):  # TransformerEngine's unfused formula
-    return [rope_reference(x, freqs, tensor_format, compute_dtype=None) for x in (q, k)]
+def _eager(q, k, freqs, tensor_format, start_positions=None, interleaved=False, cu_seqlens=None):
+    """TransformerEngine's unfused formula; apply_rotary_pos_emb_qk's arguments."""
+    kwargs = dict(start_positions=start_positions, interleaved=interleaved, cu_seqlens=cu_seqlens)
+    return [rope_reference(x, freqs, tensor_format, compute_dtype=None, **kwargs) for x in (q, k)]
 
 
 def _backward(dq, dk, freqs):  # the backward kernel alone, launched as autograd launches it
@@ -1505,6 +1516,27 @@ def _run(fn, args, inputs, grads):  # fn(*args); given its outputs' gradients, t
     return torch.autograd.grad(outs, inputs, grads)
 
 
+def _time_tables(pages, row, tables, on_gpu):
+    """Time each table's calls on one row (shape or packing), against a same-run copy of the bytes
+    that must move; print the row, add it to its table in pages."""
+    for table, (fns, args, inputs, grads) in tables.items():
+        ways = 1 if grads is None else 2  # forward; forward and backward
+        copy = "copy" if ways == 1 else "copy x2"
+        src = torch.cat([x.detach().flatten() for x in inputs])  # the bytes that move
+        calls = {copy: functools.partial(_copy, src, torch.empty_like(src), ways)}
+        for name, fn in fns.items():
+            calls[name] = functools.partial(_run, fn, args, inputs, grads)
+        us = {name: time_us(call, "eager call" in name) for name, call in calls.items()}
+        cells = [f"{t:.1f} us" for t in us.values()]
+        if on_gpu:  # (x%): the copy's time over the cell's
+            cells = [f"{c} ({100 * us[copy] / t:.0f}%)" for c, t in zip(cells, us.values())]
+        first = "sequence lengths" if "thd" in table else "shape (b, s, h, d)"
+        header = [f"| {first} | {' | '.join(us)} |", "|---" * len(us) + "|---|"]
+        lines = pages.setdefault(table, header)
+        lines.append(f"| {row} | {' | '.join(cells)} |")
+        print(f"{table}: {lines[-1]}")
+
+
 def benchmark():
     """Prints each row as measured; returns {table: its lines} for the page."""
     on_gpu = DEVICE.type == "cuda"
@@ -1514,6 +1546,7 @@ def benchmark():
     qkv_fns = {"fused": fused, "fused, eager call": fused}
     qkv_fns["three calls"] = functools.partial(_unfused_qkv, apply_rotary_pos_emb)
     shapes = [(4, 4096, 32, 128), (32, 512, 12, 64), (1, 32768, 8, 128)]
+    packings = PACKINGS
     if on_gpu:
         torch._dynamo.config.cache_size_limit = 64  # a graph per shape (dynamic=False)
         qk["ours, compiled"] = torch.compile(ours, fullgraph=True, dynamic=False)
@@ -1521,6 +1554,7 @@ def benchmark():
         qkv_fns["fused, compiled"] = torch.compile(fused, fullgraph=True, dynamic=False)
     else:
         shapes = [(2, 8, 4, 64)]
+        packings = {"3 x 1-5 + 1 x 24": [3, 1, 5, 24]}
         print(
             "\nNO GPU: the kernels run in Triton's interpreter on the CPU. The timings below "
             "only show that the benchmark runs; they say nothing about speed."
@@ -1540,21 +1574,16 @@ def benchmark():
             "fused QKV, forward": (qkv_fns, qkv_args, (qkv,), None),
             "fused QKV, forward + backward": (qkv_fns, qkv_args, (qkv,), (dq, dkv, dkv)),
         }
-        for table, (fns, args, inputs, grads) in tables.items():
-            ways = 1 if grads is None else 2  # forward; forward and backward
-            copy = "copy" if ways == 1 else "copy x2"
-            src = torch.cat([x.detach().flatten() for x in inputs])  # the bytes that move
-            calls = {copy: functools.partial(_copy, src, torch.empty_like(src), ways)}
-            for name, fn in fns.items():
-                calls[name] = functools.partial(_run, fn, args, inputs, grads)
-            us = {name: time_us(call, "eager call" in name) for name, call in calls.items()}
-            cells = [f"{t:.1f} us" for t in us.values()]
-            if on_gpu:  # (x%): the copy's time over the cell's
-                cells = [f"{c} ({100 * us[copy] / t:.0f}%)" for c, t in zip(cells, us.values())]
-            header = [f"| shape (b, s, h, d) | {' | '.join(us)} |", "|---" * len(us) + "|---|"]
-            lines = pages.setdefault(table, header)
-            lines.append(f"| {(b, s, h, d)} | {' | '.join(cells)} |")
-            print(f"{table}: {lines[-1]}")
+        _time_tables(pages, (b, s, h, d), tables, on_gpu)
+    for packing, lengths in packings.items():  # q and k packed (thd), 8 heads of 128 channels
+        lengths = torch.as_tensor(lengths, device=DEVICE)
+        cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        freqs = rope_freqs(int(lengths.max()), 128, device=DEVICE)
+        q, k = (randn(int(cu_seqlens[-1]), 8, 128, requires_grad=True) for _ in "qk")
+        dq, dk = randn(2, *q.shape)
+        args = (q, k, freqs, "thd", None, False, cu_seqlens)
+        table = "packed q and k (thd), forward + backward"
+        _time_tables(pages, packing, {table: (qk, args, (q, k), (dq, dk))}, on_gpu)
     return pages
 
 

@@ -12,7 +12,9 @@ versions take turns, in alternating order, in every round; a figure is the media
 Run from the repository root, with the earlier version checked out beside it:
     git worktree add /tmp/before <commit>
     python results/compare.py --before /tmp/before | tee results/compare_H100.log
-It writes results/compare_<GPU>.md. Without a GPU it runs tiny shapes in Triton's interpreter to
+It writes results/compare_<GPU>.md. With --packed it times only q and k packed (thd) four ways,
+02's forward and 03's forward + backward, each eager and under torch.compile(fullgraph=True), and
+writes results/compare_thd_<GPU>.md. Without a GPU it runs tiny shapes in Triton's interpreter to
 show that it runs; the timings then mean nothing.
 """
 
@@ -37,6 +39,15 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 SCRIPTS = ("02_rope_fwd.py", "03_rope_bwd.py", "04_rope_attention.py", "05_train_roformer_mlm.py")
 ROUNDS = 3 if ON_GPU else 1
 SHAPES_02_03 = [(4, 4096, 32, 128), (32, 512, 12, 64), (1, 32768, 8, 128)]  # (b, s, h, d)
+PACKED = (
+    "For each version: q and k packed (thd) four ways, the sequence lengths shown, 8 heads, head "
+    "dim 128, bf16; 02's forward (rope_fwd_qk) and 03's forward + backward "
+    "(apply_rotary_pos_emb_qk), each eager and under torch.compile(fullgraph=True, "
+    "dynamic=False), as GPU time (the median of `triton.testing.do_bench_cudagraph`) and as an "
+    "eager call (ten calls in a row timed by `triton.testing.do_bench`, per call, host cost "
+    "included). The versions take turns, in alternating order, in every round; a figure is the "
+    'median of its rounds. "after / before" above 1 means the later version is slower.'
+)
 SHAPES_04 = [  # (b, h, s, d, causal, padding mask)
     (32, 12, 512, 64, False, False),
     (16, 12, 512, 64, False, True),
@@ -125,6 +136,36 @@ def rows_04(rope04):
     return rows
 
 
+def rows_packed(rope02, rope03, packings):
+    """{row: call} for one version: q and k packed (thd) as packings says (the later 02's
+    PACKINGS), 8 heads of 128 channels, 02's forward and 03's forward + backward, eager and
+    compiled."""
+    if not ON_GPU:
+        packings = {"3 x 1-5 + 1 x 24": [3, 1, 5, 24]}
+    compiled_02 = torch.compile(rope02.rope_fwd_qk, fullgraph=True, dynamic=False)
+    compiled_03 = torch.compile(rope03.apply_rotary_pos_emb_qk, fullgraph=True, dynamic=False)
+    rows = {}
+    for packing, lengths in packings.items():
+        lengths = torch.as_tensor(lengths, device=DEVICE)
+        cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        freqs = rope02.rope_freqs(int(lengths.max()), 128, device=DEVICE)
+        q, k = (
+            torch.randn(int(cu_seqlens[-1]), 8, 128, device=DEVICE, dtype=torch.bfloat16)
+            for _ in range(2)
+        )
+        for way, fn in (("eager", rope02.rope_fwd_qk), ("compiled", compiled_02)):
+            call = functools.partial(fn, q, k, freqs, "thd", cu_seqlens=cu_seqlens)
+            rows[f"02 forward, {way}, packed {packing}"] = call
+        q = q.detach().requires_grad_()  # the same values, leaves of their own
+        k = k.detach().requires_grad_()
+        grads = [torch.randn_like(q), torch.randn_like(k)]
+        for way, fn in (("eager", rope03.apply_rotary_pos_emb_qk), ("compiled", compiled_03)):
+            forward = functools.partial(fn, q, k, freqs, "thd", cu_seqlens=cu_seqlens)
+            call = functools.partial(forward_and_backward, forward, (q, k), grads)
+            rows[f"03 forward + backward, {way}, packed {packing}"] = call
+    return rows
+
+
 def load_version(folder, prefix):
     """02, 03 and 04 of one version, as modules named prefix + '02' and so on."""
     return host_cost.load_scripts(folder, prefix)
@@ -186,6 +227,7 @@ def main():
     parser.add_argument("--after", default=ROOT, help="a folder holding the later 01-05")
     parser.add_argument("--results", default=os.path.join(ROOT, "results"))
     parser.add_argument("--no-05", action="store_true", help="leave 05's training step out")
+    parser.add_argument("--packed", action="store_true", help="only q and k packed (thd)")
     args = parser.parse_args()
     names = ("before", "after")
     folders = {"before": os.path.abspath(args.before), "after": os.path.abspath(args.after)}
@@ -193,22 +235,30 @@ def main():
     header = [f"{name}: {folders[name]} (md5 {md5s(folders[name])})" for name in names]
     print(*header, sep="\n")
     page = []
-    for index, rows in enumerate((rows_02, rows_03, rows_04)):  # the modules of 02, 03, 04
-        calls = {name: rows(modules[name][index]) for name in names}
+    if args.packed:
+        torch._dynamo.config.cache_size_limit = 64  # a graph per packing and version
+        packings = modules["after"][0].PACKINGS
+        row_sets = {name: [rows_packed(*m[:2], packings)] for name, m in modules.items()}
+    else:
+        row_sets = {
+            name: [rows_02(m[0]), rows_03(m[1]), rows_04(m[2])] for name, m in modules.items()
+        }
+    for index in range(len(row_sets["after"])):
+        calls = {name: row_sets[name][index] for name in names}
         for eager_call in (False, True):
             title = "eager call" if eager_call else "GPU time"
             by_row = side_by_side(calls, eager_call, modules["after"][0].time_us)
             lines = table(title, by_row, names)
             print(*lines, sep="\n", flush=True)
             page += [""] + lines
-    if ON_GPU:
+    if ON_GPU and not args.packed:
         fns = {name: host_cost.cases(*modules[name]) for name in names}
         by_version = host_cost.host_cost(fns)
         by_row = {row: {name: by_version[name][row] for name in names} for row in fns["before"]}
         lines = table("host cost, (1, 128, 2, 64)", by_row, names)
         print(*lines, sep="\n", flush=True)
         page += [""] + lines
-    if ON_GPU and not args.no_05:
+    if ON_GPU and not args.no_05 and not args.packed:
         ms = {name: bench_05(folders[name]) for name in names}
         line = (
             f"05 --bench fused+compile+graphs: before {ms['before']:.1f} ms/step, after "
@@ -220,11 +270,17 @@ def main():
         print("NO GPU: Triton's interpreter ran tiny shapes; the timings say nothing about speed.")
         return
     kind = next((w for w in torch.cuda.get_device_name().split() if w[:1] == "H"), "gpu")
-    with open(os.path.join(args.results, f"compare_{kind}.md"), "w") as f:
+    stem = f"compare_{kind}"
+    if args.packed:
+        stem = f"compare_thd_{kind}"
+    with open(os.path.join(args.results, f"{stem}.md"), "w") as f:
         f.write(f"# {__doc__.splitlines()[0]}\n\n{host_cost.environment()}\n\n")
         f.write("\n\n".join(header) + f"\n\nCommand: `python {' '.join(sys.argv)}`\n\n")
-        f.write(" ".join(__doc__.split("\n\n")[1].split()) + "\n" + "\n".join(page))
-        f.write(f"\n\nRaw log: `compare_{kind}.log`.\n")
+        description = " ".join(__doc__.split("\n\n")[1].split())
+        if args.packed:
+            description = PACKED
+        f.write(description + "\n" + "\n".join(page))
+        f.write(f"\n\nRaw log: `{stem}.log`.\n")
 
 
 if __name__ == "__main__":

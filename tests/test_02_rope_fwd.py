@@ -65,6 +65,39 @@ def test_thd_equals_per_sequence_application(interleaved):
         torch.testing.assert_close(out[bounds[i] : bounds[i + 1]], expected)
 
 
+LONGER = 1000 if ON_GPU else 100  # the interpreter runs each token's program in turn, slowly
+PACKINGS = {  # thd sequence lengths: the edges of cu_seqlens
+    "empty first, last and in a row": [0, 3, 0, 0, 5, 0],
+    "one token each": [1] * 9,
+    "short ones and one far longer": [1, 1, 1, LONGER, 1, 1],
+    "one sequence": [17],
+}
+
+
+@pytest.mark.parametrize("lengths", PACKINGS.values(), ids=PACKINGS)
+def test_thd_packings_eager_and_compiled(lengths):
+    """Every sequence rotated as if alone, from its own position 0 (plus its start position), and
+    the compiled call writes what the eager call writes, bit for bit."""
+    torch._dynamo.reset()
+    lengths = torch.tensor(lengths)
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).to(DEVICE)
+    start = torch.randint(0, 3, lengths.shape, device=DEVICE)
+    freqs = torch.randn(int(lengths.max()) + 3, 1, 1, 16, device=DEVICE)
+    q = torch.randn(int(cu[-1]), 2, 16, device=DEVICE)
+    k = torch.randn(int(cu[-1]), 1, 16, device=DEVICE)
+    kwargs = dict(tensor_format="thd", cu_seqlens=cu, start_positions=start)
+    eager = rope.rope_fwd_qk(q, k, freqs, **kwargs)
+    backend = "inductor" if ON_GPU else "aot_eager"
+    compiled = torch.compile(rope.rope_fwd_qk, fullgraph=True, backend=backend)
+    assert all(a.equal(b) for a, b in zip(compiled(q, k, freqs, **kwargs), eager))
+    bounds = cu.tolist()
+    for i, first in enumerate(start.tolist()):  # each sequence alone, as sbhd with b = 1
+        for x, y in zip((q, k), eager):
+            seq = x[bounds[i] : bounds[i + 1]].unsqueeze(1)
+            expected = rope.rope_reference(seq, freqs[first:], "sbhd").squeeze(1)
+            torch.testing.assert_close(y[bounds[i] : bounds[i + 1]], expected)
+
+
 @pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
 @pytest.mark.parametrize("k_heads", [1, 2, 3])
 def test_qk_in_one_launch_with_fewer_k_heads(fmt, k_heads, monkeypatch):
@@ -133,7 +166,6 @@ def test_torch_compile_fullgraph(fmt):
             rope._angles_shared(freqs, True),
             kwargs.get("cu_seqlens"),
             kwargs["start_positions"],
-            B * S_FEW if fmt == "thd" else S_FEW,
             fmt,
             True,
         ),
@@ -431,8 +463,8 @@ def test_eager_calls_remember_by_signature_alignment_included():
 
 @pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
 def test_plain_launcher_equals_the_public_call(fmt):
-    """Part 1's launch_rope_fwd (both angles of a pair read, the longest sequence read on the host)
-    writes what rope_fwd_qk writes, bit for bit, with a model's table and with any table."""
+    """Part 1's launch_rope_fwd (both angles of a pair read) writes what rope_fwd_qk writes, bit
+    for bit, with a model's table and with any table."""
     q = make_view(logical_shape(fmt, B, S_FEW, 4, 80), torch.bfloat16, "packed")
     k = make_view(logical_shape(fmt, B, S_FEW, 2, 80), torch.bfloat16, "contiguous")
     kwargs = dict(tensor_format=fmt, interleaved=True)

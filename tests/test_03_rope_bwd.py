@@ -241,6 +241,50 @@ def test_torch_compile_fullgraph():
     assert torch.autograd.grad(y, t, dy)[0].equal(torch.autograd.grad(y_eager, t2, dy)[0])
 
 
+LONGER = 1000 if ON_GPU else 100  # the interpreter runs each token's program in turn, slowly
+PACKINGS = {  # thd sequence lengths: the edges of cu_seqlens
+    "empty first, last and in a row": [0, 3, 0, 0, 5, 0],
+    "one token each": [1] * 9,
+    "short ones and one far longer": [1, 1, 1, LONGER, 1, 1],
+    "one sequence": [17],
+}
+
+
+@pytest.mark.parametrize("lengths", PACKINGS.values(), ids=PACKINGS)
+def test_thd_packings_eager_and_compiled(lengths):
+    """Every sequence rotated as if alone, from its own position 0 (plus its start position),
+    forward and backward; the compiled call gives what the eager call gives, bit for bit."""
+    torch._dynamo.reset()
+    lengths = torch.tensor(lengths)
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).to(DEVICE)
+    start = torch.randint(0, 3, lengths.shape, device=DEVICE)
+    freqs = torch.randn(int(lengths.max()) + 3, 1, 1, 16, device=DEVICE)
+    q = torch.randn(int(cu[-1]), 2, 16, device=DEVICE, requires_grad=True)
+    k = torch.randn(int(cu[-1]), 1, 16, device=DEVICE, requires_grad=True)
+    grads = (torch.randn_like(q), torch.randn_like(k))
+
+    def forward(q, k):
+        return rope.apply_rotary_pos_emb_qk(q, k, freqs, "thd", start, cu_seqlens=cu)
+
+    backend = "inductor" if ON_GPU else "aot_eager"
+    compiled = torch.compile(forward, fullgraph=True, backend=backend)
+    eager, got = (
+        [*outs, *torch.autograd.grad(outs, (q, k), grads)]
+        for outs in (forward(q, k), compiled(q, k))
+    )
+    assert all(a.equal(b) for a, b in zip(got, eager))
+    bounds = cu.tolist()
+    for i, first in enumerate(start.tolist()):  # each sequence alone, as sbhd with b = 1
+        rows = slice(bounds[i], bounds[i + 1])
+        for x, dy, y, dx in zip((q, k), grads, eager[:2], eager[2:]):
+            seq = x[rows].detach().unsqueeze(1).requires_grad_()
+            expected = rope.rope_reference(seq, freqs[first:], "sbhd").squeeze(1)
+            torch.testing.assert_close(y[rows], expected)
+            torch.testing.assert_close(
+                dx[rows], torch.autograd.grad(expected, seq, dy[rows])[0][:, 0]
+            )
+
+
 def test_autocast():
     """Under autocast a linear layer gives low-precision q; RoPE keeps its dtype and its gradient
     flows. bf16 on the GPU; fp16 on the CPU, because Triton 3.9's interpreter casts float32 to bf16
