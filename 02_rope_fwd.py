@@ -145,6 +145,13 @@ def rope_reference(
 # kernel skips the second half when a flag says so: with rotate-half's table that half is 8 MiB of
 # rows of its own, a cap of 256/264 = 97%; interleaved angles share their memory sectors, so the
 # whole table moves (94%). Any other table works at full cost.
+# Angles or cos/sin tables. Hugging Face's models pass cos and sin, [b or 1, s, d2] in the model's
+# dtype: in bf16 2 + 2 bytes a channel, as much as a float32 angle (and twice what the kernel
+# reads of rotate-half's angles), but a table for each batch row multiplies it by b: at (4, 4096,
+# 32, 128), 2 MiB, or 8 MiB per row, beside 512 MiB of q and k read and written. And a table can
+# carry what an angle cannot: yarn and longrope scale cos and sin by an attention factor (so
+# cos^2 + sin^2 != 1), which a kernel taking angles would have to multiply back in, another pass
+# over q and k. 03's kernel reads such tables as they are for its Hugging Face entry points.
 # The eager formula as TransformerEngine writes it (rope_reference with compute_dtype=None, the
 # benchmark's "eager" column) moves x*cos (N read, N written); R(x), a negated copy of half the
 # channels and then the halves joined (N/2, N/2, then N, N); R(x)*sin (N, N); the sum (2N, N); and

@@ -162,8 +162,10 @@ def rope_reference(
 # is computed in float64 (for gradcheck), other dtypes in float32. (3) In thd the grid walks the
 # packed tokens, each finding its sequence by 02's search in cu_seqlens (divided by cp_size). (4)
 # Positions go through the context-parallel map (identity for cp_size = 1). (5) Fused QKV: q head
-# j at group j // g, channel (j % g) d; k's own angle table; v copied by the same program. Angle
-# rows past the table are masked (read as 0), not read out of bounds.
+# j at group j // g, channel (j % g) d; k's own angle table; v copied by the same program. (6)
+# TABLES: cos and sin read from two tables as they are (Hugging Face's, 02's lesson says why), a
+# row per batch row and position, or the row that position_ids names. Angle rows past the table
+# are masked (read as 0), not read out of bounds.
 
 
 @triton.jit
@@ -253,34 +255,44 @@ def _sequence_of(cu_seqlens_ptr, token, n_seqs, cp_size, WAYS: tl.constexpr):
 @triton.jit
 def _cos_sin(
     freqs_ptr,
+    sin_ptr,
     angles_shared_ptr,
-    pos,
+    rows,
     row_mask,
-    n_positions,
-    stride_fs,
     stride_fd,
     rot_dim,
     HALF: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     BACKWARD: tl.constexpr,
     IS_FP64: tl.constexpr,
+    TABLES: tl.constexpr,
 ):
-    """(cos_a, sin_a, cos_b, sin_b), [BLOCK_S, 1, HALF] each; f_b read only if the table's halves
-    differ (as in 02: rotate-half's table then moves half its bytes)."""
+    """(cos_a, sin_a, cos_b, sin_b), [BLOCK_S, 1, HALF] each, from the table rows at offsets rows:
+    angles (f_b read only if the table's halves differ: as in 02, rotate-half's table then moves
+    half its bytes), or TABLES: cos and sin read as they are (Hugging Face's, in any float dtype,
+    perhaps scaled by an attention factor)."""
     i = tl.arange(0, HALF)
     if INTERLEAVED:
         f_a, f_b = 2 * i, 2 * i + 1
     else:
         f_a, f_b = i, i + rot_dim // 2
-    f_mask = (row_mask & (pos < n_positions))[:, None] & (i < rot_dim // 2)[None, :]
-    f_rows = freqs_ptr + pos.to(tl.int64)[:, None] * stride_fs
-    angle_a = tl.load(f_rows + f_a[None, :] * stride_fd, mask=f_mask, other=0.0)
-    read_b = tl.load(angles_shared_ptr + 0 * i)[None, :] == 0  # the flag, one copy per lane
-    angle_b = tl.load(f_rows + f_b[None, :] * stride_fd, mask=f_mask & read_b, other=0.0)
-    angle_a, angle_b = angle_a[:, None, :], tl.where(read_b, angle_b, angle_a)[:, None, :]
+    f_mask = row_mask[:, None] & (i < rot_dim // 2)[None, :]
+    f_rows = rows.to(tl.int64)[:, None]
+    offset_a = f_rows + f_a[None, :] * stride_fd
+    offset_b = f_rows + f_b[None, :] * stride_fd
     compute = tl.float64 if IS_FP64 else tl.float32
-    cos_a, sin_a = tl.cos(angle_a).to(compute), tl.sin(angle_a).to(compute)
-    cos_b, sin_b = tl.cos(angle_b).to(compute), tl.sin(angle_b).to(compute)
+    if TABLES:
+        cos_a = tl.load(freqs_ptr + offset_a, mask=f_mask, other=0.0).to(compute)[:, None, :]
+        cos_b = tl.load(freqs_ptr + offset_b, mask=f_mask, other=0.0).to(compute)[:, None, :]
+        sin_a = tl.load(sin_ptr + offset_a, mask=f_mask, other=0.0).to(compute)[:, None, :]
+        sin_b = tl.load(sin_ptr + offset_b, mask=f_mask, other=0.0).to(compute)[:, None, :]
+    else:
+        angle_a = tl.load(freqs_ptr + offset_a, mask=f_mask, other=0.0)
+        read_b = tl.load(angles_shared_ptr + 0 * i)[None, :] == 0  # the flag, one copy per lane
+        angle_b = tl.load(freqs_ptr + offset_b, mask=f_mask & read_b, other=0.0)
+        angle_a, angle_b = angle_a[:, None, :], tl.where(read_b, angle_b, angle_a)[:, None, :]
+        cos_a, sin_a = tl.cos(angle_a).to(compute), tl.sin(angle_a).to(compute)
+        cos_b, sin_b = tl.cos(angle_b).to(compute), tl.sin(angle_b).to(compute)
     if BACKWARD:  # the transposed rotation: the sines trade halves and change sign
         sin_a, sin_b = -sin_b, -sin_a
     return cos_a, sin_a, cos_b, sin_b
@@ -342,6 +354,9 @@ def rope_kernel(
     stride_fd,
     stride_kfs,
     stride_kfd,
+    stride_fb,
+    stride_pb,
+    stride_ps,
     BLOCK_S: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HK: tl.constexpr,
@@ -362,6 +377,8 @@ def rope_kernel(
     BATCH_FASTEST: tl.constexpr,
     BACKWARD: tl.constexpr,
     IS_FP64: tl.constexpr,
+    TABLES: tl.constexpr,
+    POSITION_IDS: tl.constexpr,
 ):
     # A 1-D grid in memory order: in sbhd the batch index moves fastest, in bshd the position; in
     # thd the program walks the packed tokens (seqlen is then the number of tokens).
@@ -387,37 +404,45 @@ def rope_kernel(
     pos = tl.where(
         pos < half_local, pos + cp_rank * half_local, pos + (2 * cp_size - 2 - cp_rank) * half_local
     )
-    if HAS_START_POSITIONS:
+    if POSITION_IDS:  # Hugging Face's position_ids [b, s]: each token's row of the table
+        ids = start_positions_ptr + batch * stride_pb + s * stride_ps
+        pos = tl.load(ids, mask=row_mask, other=0)
+    elif HAS_START_POSITIONS:
         pos = pos + tl.load(start_positions_ptr + batch)
+    in_table = row_mask & (pos < n_positions)  # no row past the table: read as 0
+    rows = pos.to(tl.int64) * stride_fs
+    if TABLES:  # a table of its own for each batch row, or one for all (stride 0)
+        rows += batch * stride_fb
+    # TABLES: q's and k's cos in freqs, their sin in k_freqs; else k_freqs: k's angles (fused QKV)
     q_angles = _cos_sin(
         freqs_ptr,
+        k_freqs_ptr,
         angles_shared_ptr,
-        pos,
-        row_mask,
-        n_positions,
-        stride_fs,
+        rows,
+        in_table,
         stride_fd,
         rot_dim,
         HALF,
         INTERLEAVED,
         BACKWARD,
         IS_FP64,
+        TABLES,
     )
     k_angles = q_angles
     if K_FREQS:  # fused QKV: k has a table of its own
         k_angles = _cos_sin(
             k_freqs_ptr,
+            k_freqs_ptr,
             k_angles_shared_ptr,
-            pos,
-            row_mask,
-            n_positions,
-            stride_kfs,
+            pos.to(tl.int64) * stride_kfs,
+            in_table,
             stride_kfd,
             rot_dim,
             HALF,
             INTERLEAVED,
             BACKWARD,
             IS_FP64,
+            False,
         )
 
     tokens = s.to(tl.int64)[:, None, None]  # row offsets in int64, [BLOCK_S, 1, 1]
@@ -561,6 +586,8 @@ def rope_kernel_tensors(
         # never written, take the places of k_out and v_out.
         k_out = k
         v_out = v
+    if angles_shared is None:  # cos/sin tables (TABLES): no flag, and the table stands in
+        angles_shared = freqs
     if k_freqs is None:
         k_freqs = freqs
     if k_shared is None:
@@ -605,13 +632,15 @@ def rope_launch_args(
     k_shared=None,
     q_groups=(1, 1),
     cols=(0, 0, 0, 0),
+    tables=False,
 ):
     """rope_kernel's launch as (grid, tensors, scalars, constexprs), for
     ``rope_kernel[grid](*tensors, *scalars, **constexprs)``: rotate q into q_out and k into k_out
     (backward=True: the transposed rotation) and copy v into v_out. k, cu_seqlens and
     start_positions may be None. Fused QKV: v, k's table (k_freqs, k_shared); q_groups, the q
     heads a group as q is read and as q_out is written (split: (g, 1), merge: (1, g)); cols, the
-    channel where k, k_out, v and v_out start in the packed qkv."""
+    channel where k, k_out, v and v_out start in the packed qkv. tables: freqs and k_freqs are
+    cos and sin [s2, b or 1, 1, d2] of one layout, and a 2-D start_positions is position_ids."""
     packed_out = cols[1] > 0  # fused QKV's gradient: dq, dk and dv written into one dqkv
     tensors = rope_kernel_tensors(
         q,
@@ -646,6 +675,13 @@ def rope_launch_args(
     BLOCK_HK = max(1, _pow2(n_k_heads) // 4)
     n_head_blocks = max(triton.cdiv(n_q_heads, BLOCK_H), triton.cdiv(n_k_heads, BLOCK_HK))
 
+    table_batch_stride = 0  # one table for every batch row
+    if freqs.shape[1] > 1:  # a table of each batch row's
+        table_batch_stride = freqs.stride(1)
+    position_strides = (0, 0)
+    if start_positions is not None and start_positions.dim() == 2:  # position_ids [b, s]
+        position_strides = start_positions.stride()
+
     def strides(x, stand_in):  # (batch, seqlen, heads, head_dim); x absent: its stand-in's
         if x is None:
             x = stand_in
@@ -671,6 +707,8 @@ def rope_launch_args(
         *strides(v_out, q_out),
         *freqs.stride()[::3],  # (position, channel)
         *tensors[8].stride()[::3],  # k_freqs, or freqs
+        table_batch_stride,
+        *position_strides,
     )
     if BLOCK_H * HALF > 128:  # big tiles of q
         num_warps = 4
@@ -699,6 +737,8 @@ def rope_launch_args(
         BATCH_FASTEST=tensor_format == "sbhd",
         BACKWARD=backward,
         IS_FP64=q.dtype == torch.float64,
+        TABLES=tables,
+        POSITION_IDS=start_positions is not None and start_positions.dim() == 2,
         num_warps=num_warps,  # a launch option, not a kernel argument
     )
     return grid, tensors, scalars, constexprs
@@ -840,6 +880,7 @@ def _launch(
     k_shared=None,
     q_groups=(1, 1),
     cols=(0, 0, 0, 0),
+    tables=False,
 ):
     """rope_launch_args' launch (the same arguments), remembered: in eager mode a signature's
     first call goes through Triton, later ones straight to the compiled kernel with the
@@ -866,6 +907,7 @@ def _launch(
             cp_rank,
             q_groups,
             cols,
+            tables,
         )
         launch = _launches.get(key)
         if launch is not None:
@@ -907,6 +949,7 @@ def _launch(
         k_shared,
         q_groups,
         cols,
+        tables,
     )
     compiled = kernel[grid](*tensors, *scalars, **constexprs)  # always, in the interpreter
     if key is not None and isinstance(compiled, triton.compiler.CompiledKernel):
@@ -925,7 +968,7 @@ def _rope_impl(
     v: Optional[torch.Tensor],
     freqs: torch.Tensor,
     k_freqs: Optional[torch.Tensor],
-    angles_shared: torch.Tensor,
+    angles_shared: Optional[torch.Tensor],
     k_shared: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor],
     start_positions: Optional[torch.Tensor],
@@ -935,6 +978,7 @@ def _rope_impl(
     cp_size: int,
     cp_rank: int,
     q_width: int,
+    tables: bool,
     kernel=rope_kernel,
 ) -> List[torch.Tensor]:
     """RoPE (backward=True: the transposed rotation) into new contiguous tensors, as
@@ -955,10 +999,10 @@ def _rope_impl(
     if not q_width:
         q_out = torch.empty_like(x, memory_format=torch.contiguous_format)
         if k is None:
-            _launch(kernel, x, q_out, None, None, *args)
+            _launch(kernel, x, q_out, None, None, *args, k_freqs=k_freqs, tables=tables)
             return [q_out]
         k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
-        _launch(kernel, x, q_out, k, k_out, *args)
+        _launch(kernel, x, q_out, k, k_out, *args, k_freqs=k_freqs, tables=tables)
         return [q_out, k_out]
     if k is None:  # split: qkv passed whole as q, k and v (no views), k at q_width, v after
         d = (x.shape[-1] - q_width) // 2
@@ -1250,7 +1294,7 @@ def _apply(
         k_shared = _angles_shared(k_freqs, interleaved, "k angles shared")
     padding = [None] * (3 - len(tensors))  # the inputs: q, k, v (or qkv, None, None)
     args = (*tensors, *padding, freqs, k_freqs, shared, k_shared, cu_seqlens, start_positions)
-    options = (tensor_format, interleaved, False, cp_size, cp_rank, split[0])
+    options = (tensor_format, interleaved, False, cp_size, cp_rank, split[0], False)
     if tracing or torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
         return _ApplyRoPE.apply(*args, options)
     return tuple(_rope(*args, *options))  # no graph to record
@@ -1408,6 +1452,158 @@ def apply_fused_qkv_rotary_pos_emb(
     )
 
 
+# %%
+# Hugging Face's entry points
+# ---------------------------
+# transformers' attention calls apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1) with the
+# tables that the model's rotary module built: cos and sin [b or 1, s, d2] in the model's dtype,
+# already scaled by the RoPE type's attention factor (yarn, longrope), so not always a rotation.
+# The kernel reads them as they are (TABLES), a row per (batch row, position), and computes in
+# float32, rounding once: where transformers multiplies in bf16 the two differ by about one bf16
+# ulp. position_ids picks rows of a [max_positions, d2] cache instead (packing, decoding).
+
+
+def _check_hf(q, k, cos, sin, unsqueeze_dim, position_ids):
+    """The checks of hf_apply_rotary_pos_emb that read no values; returns the table's rows."""
+    if unsqueeze_dim not in (1, 2):
+        raise ValueError(
+            f"unsqueeze_dim must be 1 ([b, h, s, d]) or 2 ([b, s, h, d]), got {unsqueeze_dim!r}"
+        )
+    names = ("q", "k", "cos", "sin")
+    for x, name in zip((q, k, cos, sin), names):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(
+                f"{name} must be a floating-point torch.Tensor, got {getattr(x, 'dtype', type(x))}"
+            )
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+    if q.dim() != 4 or k.dim() != 4 or q.dtype != k.dtype:
+        raise ValueError(
+            f"q and k must be 4-D of one dtype, got {tuple(q.shape)} {q.dtype} and "
+            f"{tuple(k.shape)} {k.dtype}"
+        )
+    b, s, d = q.shape[0], q.shape[3 - unsqueeze_dim], q.shape[3]
+    if (k.shape[0], k.shape[3 - unsqueeze_dim], k.shape[3]) != (b, s, d):
+        raise ValueError(f"k {tuple(k.shape)} must match q {tuple(q.shape)} in every dim but heads")
+    if cos.shape != sin.shape:
+        raise ValueError(
+            f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    d2 = cos.shape[-1]
+    if d2 % 2 or not 2 <= d2 <= d or d > MAX_HEAD_DIM:
+        raise ValueError(
+            f"cos' last dim {d2} must be even and between 2 and q's head dim {d} (at most "
+            f"{MAX_HEAD_DIM})"
+        )
+    if position_ids is None:
+        if cos.dim() != 3 or cos.shape[0] not in (1, b) or cos.shape[1] != s:
+            raise ValueError(
+                f"cos and sin must have shape [{b} or 1, {s}, d2] (batch, sequence), got "
+                f"{tuple(cos.shape)}"
+            )
+        return s
+    if cos.dim() != 2:
+        raise ValueError(
+            f"with position_ids, cos and sin must be a cache [max_positions, d2], got "
+            f"{tuple(cos.shape)}"
+        )
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in (
+        torch.int32,
+        torch.int64,
+    ):
+        raise TypeError("position_ids must be an int32 or int64 tensor")
+    if (
+        position_ids.device != q.device
+        or position_ids.dim() != 2
+        or position_ids.shape[0] not in (1, b)
+        or position_ids.shape[1] != s
+    ):
+        raise ValueError(
+            f"position_ids must have shape [{b} or 1, {s}] on {q.device}, got "
+            f"{tuple(position_ids.shape)} on {position_ids.device}"
+        )
+    return cos.shape[0]
+
+
+def _read_position_ids(position_ids, rows):  # a host sync, once per tensor
+    low, high = position_ids.aminmax()
+    if low < 0 or high >= rows:
+        raise ValueError(
+            f"position_ids must be in [0, {rows}) (the rows of cos and sin), got {int(low)} to "
+            f"{int(high)}"
+        )
+
+
+def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *, position_ids=None):
+    """transformers' ``apply_rotary_pos_emb``: ``q * cos + rotate_half(q) * sin`` on the first d2
+    channels (the rest pass through), with gradients to q and k; returns (q_embed, k_embed), new
+    tensors of q's and k's shapes.
+
+    q, k: [b, h, s, d] (unsqueeze_dim=1; often transposed views of [b, s, h, d] memory, read
+        through their strides) or [b, s, h, d] (unsqueeze_dim=2); k may have fewer heads.
+    cos, sin: [b or 1, s, d2], any float dtype, as the model's rotary module returns them
+        (scaled by its attention factor); or, with position_ids, a cache [max_positions, d2].
+    position_ids: int [b or 1, s], keyword only (an extension): token (i, j) uses row
+        position_ids[i, j] of cos and sin.
+    """
+    tracing = torch.compiler.is_compiling()
+    check = functools.partial(_check_hf, q, k, cos, sin, unsqueeze_dim, position_ids)
+    if tracing:
+        rows = check()
+    else:
+        rows = _once(_checked, _signature(q, k, cos, sin, unsqueeze_dim, position_ids), check)
+        if position_ids is not None:
+            read = functools.partial(_read_position_ids, position_ids, rows)
+            _remember("position ids checked", (position_ids,), (rows,), read)
+    if cos.stride() != sin.stride():  # the kernel reads both with cos' strides
+        cos = cos.contiguous()
+        sin = sin.contiguous()
+    if position_ids is None:  # as [s, b or 1, 1, d2]: positions first, as the kernel's tables
+        cos = cos.transpose(0, 1).unsqueeze(2)
+        sin = sin.transpose(0, 1).unsqueeze(2)
+    else:
+        cos = cos[:, None, None, :]
+        sin = sin[:, None, None, :]
+        position_ids = position_ids.expand(q.shape[0], -1)
+    if unsqueeze_dim == 1:  # [b, s, h, d] views
+        q = q.transpose(1, 2)
+        k = k.transpose(1, 2)
+    args = (q, k, None, cos, sin, None, None, None, position_ids)
+    options = ("bshd", False, False, 1, 0, 0, True)
+    if tracing or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        q_embed, k_embed = _ApplyRoPE.apply(*args, options)
+    else:
+        q_embed, k_embed = _rope(*args, *options)
+    if unsqueeze_dim == 1:
+        return q_embed.transpose(1, 2), k_embed.transpose(1, 2)
+    return q_embed, k_embed
+
+
+def hf_apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    """Qwen2-VL's ``apply_multimodal_rotary_pos_emb`` (M-RoPE): cos, sin [3, b, s, d], one table
+    per position stream (time, height, width); channel section i of ``mrope_section * 2`` takes
+    stream i mod 3. The tables are recomposed (a copy of 1/h of q's bytes), then rotated as
+    ``hf_apply_rotary_pos_emb``."""
+    if (
+        not isinstance(cos, torch.Tensor)
+        or not isinstance(sin, torch.Tensor)
+        or cos.dim() != 4
+        or cos.shape[0] != 3
+    ):
+        raise ValueError(
+            f"cos and sin must have shape [3, b, s, d], got {tuple(getattr(cos, 'shape', ()))}"
+        )
+    if 2 * sum(mrope_section) != cos.shape[-1]:
+        raise ValueError(
+            f"mrope_section {list(mrope_section)} must sum to half the tables' last dim, "
+            f"{cos.shape[-1] // 2}"
+        )
+    sections = list(mrope_section) * 2
+    cos = torch.cat([m[i % 3] for i, m in enumerate(cos.split(sections, dim=-1))], dim=-1)
+    sin = torch.cat([m[i % 3] for i, m in enumerate(sin.split(sections, dim=-1))], dim=-1)
+    return hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
 # %% Part 3 - check and benchmark
 # The self-check compares values and gradients with autograd through the reference, every feature
 # at once (tests/test_03_rope_bwd.py covers the whole matrix, context parallelism, gradcheck in
@@ -1465,7 +1661,16 @@ PACKINGS = {  # thd, about 65K tokens of 8 heads of 128 channels: the sequences'
     "1023 x 32 + 1 x 32768": [32] * 1023 + [32768],
     "4000 x 1-32": torch.randint(1, 33, (4000,), generator=torch.Generator().manual_seed(0)),
 }
+HF_SHAPES = [  # (b, s, h, d, k heads)
+    (4, 4096, 32, 128, 32),
+    (4, 4096, 32, 128, 8),
+    (32, 512, 12, 64, 12),
+    (1, 32768, 8, 128, 8),
+    (8, 2048, 32, 80, 32),
+]
 TIMED = (
+    "Hugging Face's: q and k [b, h, s, d] views of [b, s, h, d] memory, cos and sin bf16 [1, s, "
+    "d]; transformers: its formula, eager and compiled; liger: Liger-Kernel's LigerRopeFunction. "
     "bf16, bshd; packed: thd, the sequence lengths shown, 8 heads, head dim 128. Fused QKV: qkv "
     '[b, s, h / 4, 6 d], 4 q heads a group; "three calls": split, q copied out, q and k rotated '
     "by `apply_rotary_pos_emb`. eager, torch.compile: TE's unfused formula; compiled: per shape, "
@@ -1499,9 +1704,31 @@ def _eager(q, k, freqs, tensor_format, start_positions=None, interleaved=False, 
     return [rope_reference(x, freqs, tensor_format, compute_dtype=None, **kwargs) for x in (q, k)]
 
 
+def _hf_formula(q, k, cos, sin):  # transformers' apply_rotary_pos_emb, as models run it
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    half = q.shape[-1] // 2
+    return [x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin for x in (q, k)]
+
+
+def _liger_peer():
+    """{name: call} of Liger's RoPE (its q and k only) if liger_kernel is importable, else {}."""
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction
+    except ImportError as e:
+        print(f"(liger_kernel is not importable, its columns are skipped: {e})")
+        return {}
+
+    def liger(q, k, cos, sin):  # rotates q and k in place where they are contiguous copies
+        return LigerRopeFunction.apply(q, k, cos, sin)[:2]
+
+    return {"liger": liger, "liger, eager call": liger}
+
+
 def _backward(dq, dk, freqs):  # the backward kernel alone, launched as autograd launches it
     flag = _angles_shared(freqs, False)  # as autograd's call has it: 1, a model's table
-    return _rope(dq, dk, None, freqs, None, flag, None, None, None, "bshd", False, True, 1, 0, 0)
+    args = (freqs, None, flag, None, None, None, "bshd", False, True, 1, 0, 0, False)
+    return _rope(dq, dk, None, *args)
 
 
 def _copy(src, dst, times):
@@ -1530,7 +1757,11 @@ def _time_tables(pages, row, tables, on_gpu):
         cells = [f"{t:.1f} us" for t in us.values()]
         if on_gpu:  # (x%): the copy's time over the cell's
             cells = [f"{c} ({100 * us[copy] / t:.0f}%)" for c, t in zip(cells, us.values())]
-        first = "sequence lengths" if "thd" in table else "shape (b, s, h, d)"
+        first = "shape (b, s, h, d)"
+        if "thd" in table:
+            first = "sequence lengths"
+        elif "Hugging" in table:
+            first = "shape (b, s, h, d, k heads)"
         header = [f"| {first} | {' | '.join(us)} |", "|---" * len(us) + "|---|"]
         lines = pages.setdefault(table, header)
         lines.append(f"| {row} | {' | '.join(cells)} |")
@@ -1575,6 +1806,23 @@ def benchmark():
             "fused QKV, forward + backward": (qkv_fns, qkv_args, (qkv,), (dq, dkv, dkv)),
         }
         _time_tables(pages, (b, s, h, d), tables, on_gpu)
+    hf_fns = {"ours": hf_apply_rotary_pos_emb, "ours, eager call": hf_apply_rotary_pos_emb}
+    hf_fns["transformers"] = _hf_formula
+    if on_gpu:
+        hf_fns["transformers, compiled"] = torch.compile(_hf_formula, dynamic=False)
+        hf_fns.update(_liger_peer())
+    for b, s, h, d, h_k in HF_SHAPES if on_gpu else [(2, 8, 4, 64, 2)]:
+        q = randn(b, s, h, d).transpose(1, 2).requires_grad_()  # [b, h, s, d] views, as models
+        k = randn(b, s, h_k, d).transpose(1, 2).requires_grad_()
+        angles = rope_freqs(s, d, device=DEVICE)[None, :, 0, 0]
+        args = (q, k, angles.cos().bfloat16(), angles.sin().bfloat16())
+        dq = torch.randn_like(q)
+        dk = torch.randn_like(k)
+        tables = {  # the tables' bytes not counted
+            "Hugging Face's, forward": (hf_fns, args, (q, k), None),
+            "Hugging Face's, forward + backward": (hf_fns, args, (q, k), (dq, dk)),
+        }
+        _time_tables(pages, (b, s, h, d, h_k), tables, on_gpu)
     for packing, lengths in packings.items():  # q and k packed (thd), 8 heads of 128 channels
         lengths = torch.as_tensor(lengths, device=DEVICE)
         cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)

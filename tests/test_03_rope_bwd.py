@@ -156,8 +156,8 @@ def test_registered_op_matches_the_eager_launch():
     )
     positions = (kwargs["cu_seqlens"], kwargs["start_positions"])
     for backward in (False, True):
-        eager = rope._rope_impl(*args, backward, 1, 0, 0)[0]
-        traced = rope._rope.op(*args, backward, 1, 0, 0)[0]
+        eager = rope._rope_impl(*args, backward, 1, 0, 0, False)[0]
+        traced = rope._rope.op(*args, backward, 1, 0, 0, False)[0]
         plain = rope.launch_rope(t.detach(), None, freqs, "thd", True, backward, *positions)[0]
         torch.testing.assert_close(traced, eager, rtol=0, atol=0)
         torch.testing.assert_close(plain, eager, rtol=0, atol=0)

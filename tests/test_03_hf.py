@@ -1,0 +1,263 @@
+"""03_rope_bwd.py's Hugging Face entry points: hf_apply_rotary_pos_emb against transformers' own
+apply_rotary_pos_emb (values and gradients), tiny random models with it patched in against the
+same models unpatched, position_ids against gathered rows, M-RoPE, torch.compile, bad inputs.
+Tests that need transformers skip without it (CI installs it). On the CPU the kernels run in
+Triton's interpreter, whose bf16 arithmetic is wrong: bf16 runs on a GPU only."""
+
+import importlib
+
+import pytest
+import torch
+
+from conftest import DEVICE, ON_GPU, all_pairs, load
+
+rope = load("03_rope_bwd.py")
+DTYPES = [torch.float32, torch.float16] + [torch.bfloat16] * ON_GPU
+
+
+def hf_reference(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' apply_rotary_pos_emb on the first d2 channels, the rest passed through."""
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    d2 = cos.shape[-1]
+    q_embed, k_embed = llama.apply_rotary_pos_emb(q[..., :d2], k[..., :d2], cos, sin, unsqueeze_dim)
+    return torch.cat((q_embed, q[..., d2:]), -1), torch.cat((k_embed, k[..., d2:]), -1)
+
+
+def inputs(b, s, h, h_k, d, d2, dtype, unsqueeze_dim, table_batch, scale=1.0):
+    """q and k as a model makes them (transposed views of [b, s, h, d] memory when unsqueeze_dim
+    is 1), and cos/sin tables [table_batch, s, d2] of random angles scaled by an attention
+    factor."""
+    q = torch.randn(b, s, h, d, device=DEVICE, dtype=dtype)
+    k = torch.randn(b, s, h_k, d, device=DEVICE, dtype=dtype)
+    if unsqueeze_dim == 1:
+        q = q.transpose(1, 2)
+        k = k.transpose(1, 2)
+    angles = torch.randn(table_batch, s, d2 // 2, device=DEVICE).repeat(1, 1, 2)
+    cos = (angles.cos() * scale).to(dtype)
+    sin = (angles.sin() * scale).to(dtype)
+    return q.requires_grad_(), k.requires_grad_(), cos, sin
+
+
+@pytest.mark.parametrize(
+    "dtype, unsqueeze_dim, table_batch, d2, h_k, scale",
+    all_pairs(DTYPES, [1, 2], [1, 3], [16, 8], [4, 2, 1], [1.0, 1.3]),
+)
+def test_equals_transformers(dtype, unsqueeze_dim, table_batch, d2, h_k, scale):
+    """Values and gradients of q and k, over layouts, GQA, partial rotary, per-row tables and an
+    attention factor in the tables: as transformers' formula computed in float32 and rounded once
+    (the kernel's way), and within about one rounding of transformers' own, which multiplies in
+    q's dtype."""
+    q, k, cos, sin = inputs(3, 7, 4, h_k, 16, d2, dtype, unsqueeze_dim, table_batch, scale)
+    got = rope.hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+    grads = [torch.randn_like(x) for x in got]
+    got = (*got, *torch.autograd.grad(got, (q, k), grads))
+    upcast = [x.float() for x in (q, k, cos, sin)]
+    want = hf_reference(*upcast, unsqueeze_dim)
+    want = (*want, *torch.autograd.grad(want, upcast[:2], [g.float() for g in grads]))
+    own = hf_reference(q, k, cos, sin, unsqueeze_dim)
+    own = (*own, *torch.autograd.grad(own, (q, k), grads))
+    ulp = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    for y, ref, hf in zip(got, want, own):
+        assert y.shape == hf.shape and y.dtype == hf.dtype
+        torch.testing.assert_close(y, ref.to(dtype))
+        torch.testing.assert_close(y, hf, rtol=ulp, atol=2 * ulp)
+
+
+def test_position_ids_pick_rows_of_a_cache():
+    """cos and sin as a cache [max_positions, d2] and position_ids [b or 1, s]: the rows that
+    the ids pick, as if the tables had been gathered; positions past every id unused."""
+    q, k, _, _ = inputs(2, 6, 4, 2, 16, 16, torch.float32, 1, 1)
+    cos, sin = torch.randn(2, 40, 16, device=DEVICE)
+    for position_ids in (torch.randint(0, 40, (2, 6)), torch.arange(30, 36)[None]):
+        position_ids = position_ids.to(DEVICE)
+        got = rope.hf_apply_rotary_pos_emb(q, k, cos, sin, position_ids=position_ids)
+        gathered = (cos[position_ids], sin[position_ids])
+        want = rope.hf_apply_rotary_pos_emb(q, k, *gathered)
+        for y, ref in zip(got, want):
+            assert y.equal(ref)
+        grads = [torch.randn_like(y) for y in got]
+        assert all(
+            a.equal(b)
+            for a, b in zip(
+                torch.autograd.grad(got, (q, k), grads), torch.autograd.grad(want, (q, k), grads)
+            )
+        )
+
+
+def test_compiles_forward_and_backward():
+    """fullgraph=True (a graph break raises), the same values and gradients as eager, bit for
+    bit; with tables and with position_ids."""
+    torch._dynamo.reset()
+    q, k, cos, sin = inputs(2, 5, 4, 2, 16, 8, torch.float32, 1, 2, 1.2)
+    cache = torch.randn(9, 8, device=DEVICE)
+    position_ids = torch.randint(0, 9, (1, 5), device=DEVICE)
+    backend = "inductor" if ON_GPU else "aot_eager"
+    compiled = torch.compile(rope.hf_apply_rotary_pos_emb, fullgraph=True, backend=backend)
+    for args, kwargs in (((cos, sin), {}), ((cache, cache / 2), {"position_ids": position_ids})):
+        got = compiled(q, k, *args, **kwargs)
+        want = rope.hf_apply_rotary_pos_emb(q, k, *args, **kwargs)
+        grads = [torch.randn_like(y) for y in want]
+        got = (*got, *torch.autograd.grad(got, (q, k), grads))
+        want = (*want, *torch.autograd.grad(want, (q, k), grads))
+        assert all(a.equal(b) for a, b in zip(got, want))
+
+
+def legacy_multimodal(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    """Qwen2-VL's apply_multimodal_rotary_pos_emb as transformers 4 wrote it."""
+    sections = list(mrope_section) * 2
+    cos = torch.cat([m[i % 3] for i, m in enumerate(cos.split(sections, dim=-1))], dim=-1)
+    sin = torch.cat([m[i % 3] for i, m in enumerate(sin.split(sections, dim=-1))], dim=-1)
+    return hf_reference(q, k, cos.unsqueeze(0)[0], sin, unsqueeze_dim)
+
+
+def test_multimodal_equals_the_formula():
+    q, k, _, _ = inputs(2, 6, 4, 2, 16, 16, torch.float32, 1, 1)
+    cos, sin = torch.randn(2, 3, 2, 6, 16, device=DEVICE)  # three position streams
+    got = rope.hf_apply_multimodal_rotary_pos_emb(q, k, cos, sin, [2, 3, 3])
+    want = legacy_multimodal(q, k, cos, sin, [2, 3, 3])
+    torch.testing.assert_close(got, want)
+    grads = [torch.randn_like(y) for y in want]
+    torch.testing.assert_close(
+        torch.autograd.grad(got, (q, k), grads), torch.autograd.grad(want, (q, k), grads)
+    )
+
+
+def llama_config(rope_type):
+    rope_parameters = {
+        "default": None,
+        "llama3": dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        ),
+        "yarn": dict(rope_type="yarn", factor=4.0, attention_factor=1.3),
+        "longrope": dict(
+            rope_type="longrope",
+            short_factor=[1.0, 1.5, 2.0, 2.5],
+            long_factor=[2.0, 3.0, 4.0, 5.0],
+            original_max_position_embeddings=8,
+        ),
+    }[rope_type]
+    kwargs = {}
+    if rope_parameters is not None:
+        kwargs["rope_parameters"] = dict(rope_theta=10000.0, **rope_parameters)
+    return kwargs
+
+
+# (modeling module, config class, model class, config kwargs): tiny random models
+MODELS = {
+    **{
+        f"llama {rope_type}": ("llama", "LlamaConfig", "LlamaForCausalLM", llama_config(rope_type))
+        for rope_type in ("default", "llama3", "yarn", "longrope")
+    },
+    "qwen2": ("qwen2", "Qwen2Config", "Qwen2ForCausalLM", {}),
+    "phi (partial rotary)": ("phi", "PhiConfig", "PhiForCausalLM", {}),
+    "gpt-neox (partial rotary)": (
+        "gpt_neox",
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(rope_parameters=dict(rope_theta=10000.0, partial_rotary_factor=0.5)),
+    ),
+    "qwen2-vl text (m-rope)": (
+        "qwen2_vl",
+        "Qwen2VLTextConfig",
+        "Qwen2VLTextModel",
+        dict(
+            rope_parameters=dict(rope_theta=10000.0, rope_type="default", mrope_section=[1, 1, 2])
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_patched_model_equals_unpatched(name, monkeypatch):
+    """A tiny random model whose attention calls hf_apply_rotary_pos_emb gives the unpatched
+    model's outputs and parameter gradients (float32)."""
+    transformers = pytest.importorskip("transformers")
+    module_name, config_name, model_name, extra = MODELS[name]
+    modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    config = getattr(transformers, config_name)(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).to(DEVICE).float().eval()
+    tokens = torch.randint(0, 64, (2, 12), device=DEVICE)
+
+    def run():
+        model.zero_grad()
+        output = model(tokens)
+        output = output[0]  # the logits, or the text model's last hidden state
+        output.square().mean().backward()
+        return output.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want, want_grads = run()
+    calls = []
+
+    def counted(*args, **kwargs):  # the patched model calls ours, once a layer
+        calls.append(1)
+        return rope.hf_apply_rotary_pos_emb(*args, **kwargs)
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", counted)
+    got, got_grads = run()
+    assert len(calls) == config.num_hidden_layers
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert len(got_grads) == len(want_grads) > 0
+    for got_grad, want_grad in zip(got_grads, want_grads):
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-5)
+
+
+def _bad_inputs():
+    def t(*shape):
+        return torch.randn(*shape, device=DEVICE)
+
+    q, k = t(2, 4, 5, 16), t(2, 2, 5, 16)
+    cos = t(1, 5, 16)
+    return {
+        "table of the wrong length": ((q, k, t(1, 6, 16), t(1, 6, 16)), {}, "must have shape"),
+        "table of another batch": ((q, k, t(3, 5, 16), t(3, 5, 16)), {}, "must have shape"),
+        "odd d2": ((q, k, t(1, 5, 7), t(1, 5, 7)), {}, "must be even"),
+        "d2 over the head dim": ((q, k, t(1, 5, 18), t(1, 5, 18)), {}, "must be even"),
+        "cos and sin differ": ((q, k, cos, t(1, 5, 8)), {}, "one shape"),
+        "table on another device": ((q, k, cos.to("meta"), cos), {}, "is on meta"),
+        "integer table": ((q, k, cos.long(), cos), {}, "floating-point"),
+        "k of another length": ((q, t(2, 2, 6, 16), cos, cos), {}, "every dim but heads"),
+        "unsqueeze_dim 3": ((q, k, cos, cos, 3), {}, "unsqueeze_dim must be 1"),
+        "position_ids with a 3-D table": (
+            (q, k, cos, cos),
+            {"position_ids": torch.zeros(2, 5, dtype=torch.long, device=DEVICE)},
+            "a cache",
+        ),
+        "position_ids past the cache": (
+            (q, k, cos[0], cos[0]),
+            {"position_ids": torch.full((2, 5), 5, device=DEVICE)},
+            r"in \[0, 5\)",
+        ),
+        "float position_ids": (
+            (q, k, cos[0], cos[0]),
+            {"position_ids": torch.zeros(2, 5, device=DEVICE)},
+            "int32 or int64",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", _bad_inputs())
+def test_bad_inputs_raise_one_clear_error(case):
+    args, kwargs, message = _bad_inputs()[case]
+    with pytest.raises((ValueError, TypeError), match=message):
+        rope.hf_apply_rotary_pos_emb(*args, **kwargs)
+
+
+def test_multimodal_bad_section():
+    q, k = torch.randn(2, 1, 2, 4, 5, 16, device=DEVICE)
+    cos = torch.randn(3, 2, 5, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="mrope_section"):
+        rope.hf_apply_multimodal_rotary_pos_emb(q, k, cos, cos, [2, 2, 2])
