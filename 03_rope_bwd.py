@@ -1762,10 +1762,11 @@ def _time_tables(pages, row, tables, on_gpu):
             first = "sequence lengths"
         elif "Hugging" in table:
             first = "shape (b, s, h, d, k heads)"
-        header = [f"| {first} | {' | '.join(us)} |", "|---" * len(us) + "|---|"]
-        lines = pages.setdefault(table, header)
-        lines.append(f"| {row} | {' | '.join(cells)} |")
-        print(f"{table}: {lines[-1]}")
+        if table not in pages:  # a new table: its title and header, printed too
+            pages[table] = [f"| {first} | {' | '.join(us)} |", "|---" * len(us) + "|---|"]
+            print(f"\n{table}", *pages[table], sep="\n")
+        pages[table].append(f"| {row} | {' | '.join(cells)} |")
+        print(pages[table][-1], flush=True)
 
 
 def benchmark():

@@ -41,11 +41,21 @@ import itertools
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import sysconfig
 import tempfile
 import time
+
+
+def interrupted_while_loading(signum, frame):  # no traceback from inside torch's import
+    print("interrupted", file=sys.stderr)
+    os._exit(130)
+
+
+if __name__ == "__main__":  # Ctrl-C while the modules load: one line, the shell's status for it
+    signal.signal(signal.SIGINT, interrupted_while_loading)
 
 import torch
 import torch.nn as nn
@@ -53,6 +63,8 @@ import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (here and by 01-04)
+    if os.environ["TRITON_INTERPRET"] != "1":
+        sys.exit("no GPU: Triton's kernels need one, or its interpreter (TRITON_INTERPRET=1)")
 import triton
 
 
@@ -73,6 +85,8 @@ naive_rope = load_step("01_rotate_half.py")
 rope_fwd = load_step("02_rope_fwd.py")
 rope_bwd = load_step("03_rope_bwd.py")
 fused = load_step("04_rope_attention.py")
+if __name__ == "__main__":  # loaded: Ctrl-C is KeyboardInterrupt again, which main() handles
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 ATTN_PATHS = ("torch", "naive", "triton", "fused")  # --attn: RoPE + attention from 03, 01, 03, 04
 VOCAB, PAD, CLS, SEP, MASK = 260, 256, 257, 258, 259  # the 256 bytes, then 4 special tokens
 
@@ -203,6 +217,8 @@ def parse_args(argv=None):
 
 def check_text(path):
     """A text file, found now and not at the first batch; not a binary one (a model, an archive)."""
+    if os.path.isdir(path):
+        sys.exit(f"--data {path} is a folder: give one text file")
     if not os.path.isfile(path):
         sys.exit(f"--data {path}: no such file")
     head = next(documents(path), None) or b""  # its first MiB
@@ -585,6 +601,19 @@ def train_step(model, optimizer, micro_batches, args, ddp):
     return loss_sum, acc_sum
 
 
+def stop_diverged(step, what, args):
+    """A non-finite loss or parameter: the run ends before any save, with the last good
+    checkpoint kept (a diverging run would otherwise overwrite both)."""
+    ckpt = os.path.join(args.out, "ckpt.pt")
+    kept = "no checkpoint was written"
+    if os.path.exists(ckpt):
+        kept = f"the last good checkpoint, {ckpt}, is kept"
+    sys.exit(
+        f"step {step}: {what} is not finite; stopped without saving ({kept}); "
+        f"a lower --lr than {args.lr:g} may help"
+    )
+
+
 def train(args, ddp, rank, world, device):
     """The training run; returns the logged history (list of dicts)."""
     checkpoint = vars(args).pop("checkpoint")
@@ -633,10 +662,14 @@ def train(args, ddp, rank, world, device):
     train_batches = batches(args.data, args.seq_len, args.batch_size, rank, world, start=seen[rank])
     held_out = batches(args.data, args.seq_len, args.batch_size, 0, 1, held_out=True)
     eval_batches = list(itertools.islice(held_out, args.eval_batches))  # read once, kept
-    if not eval_batches:
+    if not eval_batches:  # sequence i is held out when i % 50 == 0
+        needed = 50 * args.batch_size * (args.seq_len - 2)
+        data = f"--data {args.data}"
+        if not args.data:
+            data = "the standard library's source (the default --data)"
         sys.exit(
-            f"--data has too little text for one held-out batch of "
-            f"{args.batch_size} x {args.seq_len}"
+            f"{data} has too little text for one held-out batch of --batch-size "
+            f"{args.batch_size} x --seq-len {args.seq_len}: about {needed:,} bytes are needed"
         )
     if master:
         counts = torch.bincount(
@@ -647,6 +680,11 @@ def train(args, ddp, rank, world, device):
         yardstick = ""
         if cuda:
             yardstick = f"; MFU: model FLOPs over a bf16 matmul's {matmul_rate:.0f} TF/s"
+        else:  # measured: results/cpu_runs.log
+            yardstick = (
+                "\non a CPU the default 30 steps test the loop, logs and checkpoints; held-out "
+                "accuracy passes the baseline after about 500 steps (try --max-steps 4000)"
+            )
         print(
             f"RoFormer MLM: {n_params:,} parameters, attn={args.attn}, {world} rank(s), "
             f"device {device}, batch {args.batch_size} x seq_len {args.seq_len} x "
@@ -657,8 +695,12 @@ def train(args, ddp, rank, world, device):
     stop_at = min(args.max_steps, step + args.stop_after) if args.stop_after else args.max_steps
     first_step = step
     timed_steps = 0
+    # SIGTERM (how schedulers and preemption stop a job): the step ends, is saved and logged, and
+    # the run exits with the shell's status for it, 143
+    terminated = []
+    previous_handler = signal.signal(signal.SIGTERM, lambda *_: terminated.append(True))
     t0 = time.perf_counter()
-    while step < stop_at:
+    while step < stop_at and not terminated:
         if step < args.warmup:  # linear warmup, then linear decay to 0
             lr = args.lr * ((step + 1) / args.warmup)
         else:
@@ -684,6 +726,11 @@ def train(args, ddp, rank, world, device):
             if ddp:
                 torch.distributed.all_reduce(stats)  # a sum of the ranks' shares (gloo has no mean)
             loss, acc = stats.tolist()
+            # A diverged run is caught where the loss is read anyway (no sync of its own under
+            # CUDA graphs and compile), and before each save by one check of the parameters: a
+            # NaN may train on for up to --log-interval steps, but never reaches a checkpoint.
+            if not math.isfinite(loss):
+                stop_diverged(step, f"the loss ({loss})", args)
             dt = (time.perf_counter() - t0) / timed_steps
             timed_apart = True
         if master and logged:
@@ -707,7 +754,10 @@ def train(args, ddp, rank, world, device):
             )
             log(dict(step=step, val_loss=val_loss, val_acc=val_acc))
             timed_apart = True
-        if step % args.ckpt_interval == 0 or step == stop_at:
+        if step % args.ckpt_interval == 0 or step == stop_at or terminated:
+            # a sync beside the save's own: every rank holds the same parameters under DDP
+            if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():
+                stop_diverged(step, "a parameter", args)
             # every rank's RNG states (its dropout masks), for an exact resume
             cuda_rng = torch.cuda.get_rng_state(device) if cuda else None
             rngs = [dict(torch=torch.get_rng_state(), cuda=cuda_rng)] * world
@@ -732,6 +782,12 @@ def train(args, ddp, rank, world, device):
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             timed_steps = 0
+    signal.signal(signal.SIGTERM, previous_handler)
+    if master and not terminated:
+        print(f"saved {ckpt_path} (step {step}) and {os.path.join(args.out, 'log.csv')}")
+    if terminated:
+        print(f"terminated; --resume goes on from {ckpt_path} (step {step})", file=sys.stderr)
+        raise SystemExit(143)
     return history
 
 
@@ -846,8 +902,17 @@ def read_checkpoint(args, config):
             f"where its place means nothing ({bad})"
         )
     changed = differ(k for k in new if k not in (*fixed, "resume", "stop_after", "bench_paths"))
+    schedule = ("max_steps", "warmup", "lr")
+    if any(f"--{k.replace('_', '-')} " in changed for k in schedule):
+        changed += "; the learning-rate schedule follows the new values from here"
     if changed:
         print(f"note --resume: {changed}", flush=True)
+    if ckpt["step"] >= args.max_steps:
+        print(
+            f"note --resume: {path} is at step {ckpt['step']}, --max-steps is {args.max_steps}: "
+            "nothing to train (raise --max-steps to go on)",
+            flush=True,
+        )
     return dict(ckpt, path=path)
 
 
@@ -910,13 +975,18 @@ def load_hf_checkpoint(path, attn, cfg=None):
     """Our model with the weights of a Hugging Face RoFormer folder (cfg: its hf_config, if
     read already)."""
     model = RoFormerForMaskedLM(cfg or hf_config(path), attn)
-    safetensors = os.path.join(path, "model.safetensors")
-    if os.path.isfile(safetensors):  # safetensors comes with transformers
-        state = importlib.import_module("safetensors.torch").load_file(safetensors)
-    else:
-        state = torch.load(
-            os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True
-        )
+    weights = os.path.join(path, "model.safetensors")
+    try:
+        if os.path.isfile(weights):  # safetensors comes with transformers
+            state = importlib.import_module("safetensors.torch").load_file(weights)
+        else:
+            weights = os.path.join(path, "pytorch_model.bin")
+            state = torch.load(weights, map_location="cpu", weights_only=True)
+    except ModuleNotFoundError:
+        sys.exit(f"--init-from {path}: reading model.safetensors needs: pip install safetensors")
+    except Exception as e:  # truncated, random or foreign bytes: safetensors' or pickle's error
+        why = str(e).strip().splitlines()[0]
+        sys.exit(f"--init-from {path}: {weights} is not a weights file ({type(e).__name__}: {why})")
     state = {k: v for k, v in state.items() if "embed_positions" not in k}  # sinusoidal: recomputed
     state.setdefault("cls.predictions.decoder.bias", state.pop("cls.predictions.bias", None))
     state.setdefault(

@@ -75,9 +75,10 @@ def test_logits_equal_hugging_face(tmp_path, attn, padded):
     assert rel <= 1e-4, f"relative error {rel:.2e}"
 
 
-def test_init_from_problems_are_one_line(tmp_path):
+def test_init_from_problems_are_one_line(tmp_path, monkeypatch):
     """A missing folder, no config.json, a config.json that is no JSON, another architecture, no
-    weights, weights of another shape: each ends the run with one line naming --init-from, before
+    weights, unreadable weights (random or truncated, or safetensors not installed), weights of
+    another shape: each ends the run with one line naming --init-from, before
     any work."""
     out = ["--out", str(tmp_path / "o")]
     folder = tmp_path / "hf"
@@ -98,6 +99,30 @@ def test_init_from_problems_are_one_line(tmp_path):
         with pytest.raises(SystemExit, match=f"^--init-from {folder}: {problem}") as e:
             train.parse_args(out + ["--init-from", str(folder)])
         assert "\n" not in str(e.value)
+    # random bytes, then a truncated safetensors file, then safetensors not installed
+    (folder / "pytorch_model.bin").write_bytes(os.urandom(4096))
+    with pytest.raises(SystemExit, match="pytorch_model.bin is not a weights file") as e:
+        train.load_hf_checkpoint(str(folder), "torch")
+    assert "\n" not in str(e.value) and "weights_only=False" not in str(e.value)
+    safetensors = pytest.importorskip("safetensors.torch")
+    safetensors.save_file({"x": torch.zeros(64)}, folder / "model.safetensors")
+    whole = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(SystemExit, match="model.safetensors is not a weights file") as e:
+        train.load_hf_checkpoint(str(folder), "torch")
+    assert "\n" not in str(e.value)
+    real_import = train.importlib.import_module
+
+    def without_safetensors(name):
+        if name.startswith("safetensors"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real_import(name)
+
+    monkeypatch.setattr(train.importlib, "import_module", without_safetensors)
+    with pytest.raises(SystemExit, match="needs: pip install safetensors$"):
+        train.load_hf_checkpoint(str(folder), "torch")
+    monkeypatch.undo()
+    (folder / "model.safetensors").unlink()
     # another model's
     torch.save({"bert.pooler.dense.weight": torch.zeros(2, 2)}, folder / "pytorch_model.bin")
     with pytest.raises(SystemExit, match="the weights do not fit: missing .*unexpected"):
@@ -511,9 +536,11 @@ train.main({["--out", str(out)] + common!r})
 
 
 def test_data_that_is_not_there_is_one_line(tmp_path):
-    for data in (tmp_path / "missing.txt", tmp_path):
-        with pytest.raises(SystemExit, match=f"^--data {data}: no such file$"):
-            train.main(["--out", str(tmp_path / "o"), "--data", str(data)])
+    missing = tmp_path / "missing.txt"
+    with pytest.raises(SystemExit, match=f"^--data {missing}: no such file$"):
+        train.main(["--out", str(tmp_path / "o"), "--data", str(missing)])
+    with pytest.raises(SystemExit, match=f"^--data {tmp_path} is a folder: give one text file$"):
+        train.main(["--out", str(tmp_path / "o"), "--data", str(tmp_path)])
 
 
 def test_bad_inputs(tmp_path):
@@ -534,10 +561,13 @@ def test_bad_inputs(tmp_path):
     (ckpt / "config.json").write_text(json.dumps(dict(model_type="roformer", **cfg.__dict__)))
     with pytest.raises(SystemExit, match="--seq-len 128 is over the model's 64 positions"):
         train.main(["--out", str(tmp_path / "o"), "--init-from", str(ckpt), "--seq-len", "128"])
-    with pytest.raises(SystemExit, match="too little text"):
-        data = ["--data", str(tmp_path / "docs" / "a.txt")]
-        big_batch = "--max-steps 1 --batch-size 64 --seq-len 512".split()
+    data = ["--data", str(tmp_path / "docs" / "a.txt")]
+    big_batch = "--max-steps 1 --batch-size 64 --seq-len 512".split()
+    too_little = "has too little text for one held-out batch of --batch-size 64 x --seq-len 512"
+    with pytest.raises(SystemExit, match=f"^--data .*a.txt {too_little}: about 1,632,000 bytes"):
         train.main(["--out", str(tmp_path / "o")] + data + big_batch)
+    with pytest.raises(SystemExit, match=r"^the standard library's source \(the default --data\)"):
+        train.main(["--out", str(tmp_path / "o"), "--batch-size", "100000"])
 
 
 @pytest.mark.skipif(
@@ -850,7 +880,8 @@ def test_resume_refuses_other_data_settings_and_notes_others(tmp_path, capsys):
     )
     assert capsys.readouterr().out == (
         "note --resume: --max-steps 4 there, 6 here, --log-interval 1 there, 2 here, "
-        "--lr 0.0005 there, 0.001 here\n"
+        "--lr 0.0005 there, 0.001 here; the learning-rate schedule follows the new values from "
+        "here\n"
     )
 
 
@@ -889,6 +920,97 @@ def test_ctrl_c_stops_cleanly_with_the_log_written(tmp_path):
         len(in_csv) >= 3
         and in_csv == list(range(1, len(in_csv) + 1))
         and in_csv[: len(printed)] == printed
+    )
+
+
+def test_a_diverging_run_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    """--resume with a learning rate that makes the loss NaN: one line naming the step, the value
+    and the checkpoint kept, a non-zero status, and both checkpoints' bytes unchanged; a fresh run
+    that diverges ends the same way and writes no checkpoint."""
+    out = tmp_path / "run"
+    common = TINY + ["--out", str(out), "--ckpt-interval", "2"]
+    train.main(common + ["--max-steps", "4"])
+    kept = {name: (out / name).read_bytes() for name in ("ckpt.pt", "ckpt-prev.pt")}
+    with pytest.raises(SystemExit) as stop:
+        train.main(common + ["--max-steps", "8", "--resume", "--lr", "1e9"])
+    message = str(stop.value.code)
+    assert "is not finite" in message and f"{out / 'ckpt.pt'}, is kept" in message
+    assert re.match(r"step [56]: ", message) and "--lr" in message
+    assert {name: (out / name).read_bytes() for name in kept} == kept
+    fresh = tmp_path / "fresh"
+    with pytest.raises(SystemExit, match="no checkpoint was written"):
+        train.main(TINY + ["--out", str(fresh), "--max-steps", "8", "--lr", "1e9"])
+    assert not (fresh / "ckpt.pt").exists()
+
+
+def test_resume_notes_the_schedule_and_a_run_with_nothing_to_train(tmp_path, capsys):
+    common = TINY + ["--out", str(tmp_path / "run")]
+    train.main(common + ["--max-steps", "3"])
+    capsys.readouterr()
+    train.main(common + ["--max-steps", "3", "--resume"])
+    assert "is at step 3, --max-steps is 3: nothing to train" in capsys.readouterr().out
+    train.main(common + ["--max-steps", "4", "--resume"])
+    note = capsys.readouterr().out
+    assert "--max-steps 3 there, 4 here" in note
+    assert "the learning-rate schedule follows the new values from here" in note
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
+def test_sigterm_saves_the_step_and_exits_143(tmp_path):
+    """SIGTERM (a scheduler's stop): the step in flight ends and is saved, one line on stderr,
+    exit status 143; --resume goes on from the step saved."""
+    out = tmp_path / "run"
+    script = [sys.executable, str(ROOT / "05_train_roformer_mlm.py"), "--out", str(out)]
+    proc = subprocess.Popen(
+        script + ["--max-steps", "100000"] + TINY,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for _ in range(3000):  # until two steps are logged (no checkpoint before 100 steps)
+            if len(csv_loss_curve(out) if (out / "log.csv").exists() else []) >= 2:
+                break
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    saved = torch.load(out / "ckpt.pt", weights_only=True)
+    assert stderr == f"terminated; --resume goes on from {out / 'ckpt.pt'} (step {saved['step']})\n"
+    assert saved["step"] >= 2 and csv_loss_curve(out)[-1][0] == saved["step"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT")
+def test_ctrl_c_while_loading_is_one_line(tmp_path):
+    """SIGINT in the first half second, while torch and 01-04 load: "interrupted", status 130, no
+    traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "05_train_roformer_mlm.py"), "--out", str(tmp_path / "o")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's child
+    )
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and stderr.startswith("interrupted"), stderr
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.skipif(ON_GPU, reason="a machine without a GPU")
+def test_no_gpu_and_no_interpreter_is_one_line(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    command = [sys.executable, str(ROOT / "05_train_roformer_mlm.py"), "--out", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1
+    assert (
+        result.stderr
+        == "no GPU: Triton's kernels need one, or its interpreter (TRITON_INTERPRET=1)\n"
     )
 
 

@@ -27,6 +27,15 @@ def test_script_runs(script, tmp_path):
     assert "self-check passed" in result.stdout
     assert "they say nothing about speed" in result.stdout  # the interpreter warning is printed
     assert "%)" not in result.stdout  # and no interpreter timing as a fraction of the copy's
+    lines = result.stdout.splitlines()
+    starts = [
+        i for i, line in enumerate(lines) if line.startswith("|") and not lines[i - 1][:1] == "|"
+    ]
+    assert starts, "no timing table printed"
+    for i in starts:  # every table printed: its header, then the separator, then rows
+        assert lines[i + 1].startswith("|---"), lines[i : i + 2]
+    rows = [line for line in lines if line.startswith("| ")]
+    assert len(rows) == len(set(rows)), "two rows printed alike"
 
 
 def readme_blocks(language, path="README.md"):
