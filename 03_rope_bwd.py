@@ -12,21 +12,23 @@ In this tutorial, you will learn about:
   position map;
 * fused QKV: q, k and v straight out of one projection's output, and its gradient written back as
   one tensor;
+* Hugging Face's ``apply_rotary_pos_emb(q, k, cos, sin)``: the kernel reading cos/sin tables as a
+  model's rotary module builds them (any RoPE type, its attention factor included), per batch row
+  or picked by ``position_ids``, and M-RoPE;
 * registering Triton kernels with ``torch.library`` (``triton_op`` + ``wrap_triton``) so that
   ``torch.compile(fullgraph=True)`` captures them, and keeping host syncs out of compiled code;
 * checking gradients against autograd through the reference (and, in the tests, with
   ``torch.autograd.gradcheck`` in float64: the kernel computes float64 as float64), and what
   autograd over the eager formula costs.
 
-How to read this file. Part 1 is the lesson (about 45 minutes): the PyTorch reference, the
-backward derived, the memory traffic (fused QKV included), context parallelism's position map, the
-kernel, and
-``launch_rope``, a plain launcher built on ``rope_launch_args``. Part 2 is the drop-in: argument
+How to read this file. Part 1 is the lesson (about 45 minutes): the PyTorch reference, the backward
+derived, the memory traffic (fused QKV included), context parallelism's position map, the kernel,
+and ``launch_rope``, a plain launcher built on ``rope_launch_args``. Part 2 is the drop-in: argument
 checks, the per-signature launch cache, the ``torch.library`` op, the autograd Function,
-TransformerEngine's three entry points and ``rope_freqs``; skip it on a first read. Part 3 checks
-values and gradients against autograd through the reference on irregular shapes, and times the
-kernels against a same-run copy of the bytes and against the eager formula (the host cost of an
-eager call is measured for 02-04 together by ``results/host_cost.py``).
+TransformerEngine's three entry points and ``rope_freqs``, and Hugging Face's two; skip it on a
+first read. Part 3 checks values and gradients against autograd through the reference on irregular
+shapes, and times the kernels against a same-run copy of the bytes and against the eager formula
+(the host cost of an eager call is measured for 02-04 together by ``results/host_cost.py``).
 
 Run ``python 03_rope_bwd.py``: it checks itself against autograd through the PyTorch reference,
 then benchmarks. This file imports only torch and triton: copy it alone into your project.
