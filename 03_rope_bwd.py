@@ -411,10 +411,10 @@ def rope_kernel(
         pos = tl.load(ids, mask=row_mask, other=0)
     elif HAS_START_POSITIONS:
         pos = pos + tl.load(start_positions_ptr + batch)
-    in_table = row_mask & (pos < n_positions)  # no row past the table: read as 0
+    in_table = row_mask & (pos >= 0) & (pos < n_positions)  # no row outside the table: read as 0
     rows = pos.to(tl.int64) * stride_fs
     if TABLES:  # a table of its own for each batch row, or one for all (stride 0)
-        rows += batch * stride_fb
+        rows += batch.to(tl.int64) * stride_fb
     # TABLES: q's and k's cos in freqs, their sin in k_freqs; else k_freqs: k's angles (fused QKV)
     q_angles = _cos_sin(
         freqs_ptr,
@@ -844,6 +844,8 @@ def _once(cache, key, compute):
 
 def _remember(what, tensors, extra_key, compute):
     """compute(), or its result for the same tensors at the same versions."""
+    if any(x.is_inference() for x in tensors):  # no version counter: computed every time
+        return compute()
     key = tuple((id(x), x._version) for x in tensors) + extra_key
     last = _last_results.get(what)
     if last is None or last[0] != key or not all(ref() is x for ref, x in zip(last[1], tensors)):
@@ -1467,9 +1469,10 @@ def apply_fused_qkv_rotary_pos_emb(
 
 def _check_hf(q, k, cos, sin, unsqueeze_dim, position_ids):
     """The checks of hf_apply_rotary_pos_emb that read no values; returns the table's rows."""
-    if unsqueeze_dim not in (1, 2):
+    if type(unsqueeze_dim) is not int or unsqueeze_dim not in (1, 2):
         raise ValueError(
-            f"unsqueeze_dim must be 1 ([b, h, s, d]) or 2 ([b, s, h, d]), got {unsqueeze_dim!r}"
+            f"unsqueeze_dim must be 1 ([b, h, s, d]) or 2 ([b, s, h, d]), got {unsqueeze_dim!r} "
+            "(position_ids is keyword-only)"
         )
     names = ("q", "k", "cos", "sin")
     for x, name in zip((q, k, cos, sin), names):
@@ -1528,6 +1531,8 @@ def _check_hf(q, k, cos, sin, unsqueeze_dim, position_ids):
 
 
 def _read_position_ids(position_ids, rows):  # a host sync, once per tensor
+    if position_ids.numel() == 0:
+        return
     low, high = position_ids.aminmax()
     if low < 0 or high >= rows:
         raise ValueError(
@@ -1557,6 +1562,16 @@ def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *, position_ids=Non
         if position_ids is not None:
             read = functools.partial(_read_position_ids, position_ids, rows)
             _remember("position ids checked", (position_ids,), (rows,), read)
+    for table, name in ((cos, "cos"), (sin, "sin")):  # no silent loss of a gradient
+        if table.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                f"{name} requires grad, but no gradient flows to the tables here (as in "
+                f"Liger's and TransformerEngine's fused RoPE); pass {name}.detach()"
+            )
+    dtype = torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
+    if q.dtype != dtype:  # as transformers' q * cos promotes (an fp32 table under autocast)
+        q = q.to(dtype)
+        k = k.to(dtype)
     if cos.stride() != sin.stride():  # the kernel reads both with cos' strides
         cos = cos.contiguous()
         sin = sin.contiguous()
@@ -1586,15 +1601,17 @@ def hf_apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_
     per position stream (time, height, width); channel section i of ``mrope_section * 2`` takes
     stream i mod 3. The tables are recomposed (a copy of 1/h of q's bytes), then rotated as
     ``hf_apply_rotary_pos_emb``."""
-    if (
-        not isinstance(cos, torch.Tensor)
-        or not isinstance(sin, torch.Tensor)
-        or cos.dim() != 4
-        or cos.shape[0] != 3
-    ):
+    for table, name in ((cos, "cos"), (sin, "sin")):
+        if not isinstance(table, torch.Tensor) or table.dim() != 4 or table.shape[0] != 3:
+            got = tuple(getattr(table, "shape", ())) or type(table).__name__
+            raise ValueError(f"{name} must have shape [3, b, s, d], got {got}")
+    if sin.shape != cos.shape:
         raise ValueError(
-            f"cos and sin must have shape [3, b, s, d], got {tuple(getattr(cos, 'shape', ()))}"
+            f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
+    section_ok = isinstance(mrope_section, (list, tuple)) and len(mrope_section) == 3
+    if not section_ok or not all(type(n) is int and n >= 0 for n in mrope_section):
+        raise ValueError(f"mrope_section must be 3 non-negative ints, got {mrope_section!r}")
     if 2 * sum(mrope_section) != cos.shape[-1]:
         raise ValueError(
             f"mrope_section {list(mrope_section)} must sum to half the tables' last dim, "

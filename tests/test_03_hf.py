@@ -241,6 +241,17 @@ def _bad_inputs():
             {"position_ids": torch.full((2, 5), 5, device=DEVICE)},
             r"in \[0, 5\)",
         ),
+        "cos requiring grad": (
+            (q, k, cos.clone().requires_grad_(), cos),
+            {},
+            "cos requires grad, but no gradient flows",
+        ),
+        "position_ids passed as unsqueeze_dim": (
+            (q, k, cos, cos, torch.zeros(2, 5, dtype=torch.long, device=DEVICE)),
+            {},
+            "keyword-only",
+        ),
+        "unsqueeze_dim 1.0": ((q, k, cos, cos, 1.0), {}, "unsqueeze_dim must be 1"),
         "float position_ids": (
             (q, k, cos[0], cos[0]),
             {"position_ids": torch.zeros(2, 5, device=DEVICE)},
@@ -256,8 +267,65 @@ def test_bad_inputs_raise_one_clear_error(case):
         rope.hf_apply_rotary_pos_emb(*args, **kwargs)
 
 
-def test_multimodal_bad_section():
+@pytest.mark.parametrize(
+    "sin_shape, section, message",
+    [
+        ((3, 2, 5, 16), [2, 2, 2], "must sum to half"),
+        ((3, 2, 5, 16), 4, "mrope_section must be 3 non-negative ints"),
+        ((3, 2, 5, 16), [5, -2, 1], "mrope_section must be 3 non-negative ints"),
+        ((3, 2, 5, 16), [1.0, 3.0, 4.0], "mrope_section must be 3 non-negative ints"),
+        ((2, 2, 5, 16), [2, 3, 3], r"sin must have shape \[3, b, s, d\], got \(2, 2, 5, 16\)"),
+        ((3, 2, 5, 12), [2, 3, 3], "cos and sin must have one shape"),
+    ],
+)
+def test_multimodal_bad_arguments(sin_shape, section, message):
     q, k = torch.randn(2, 1, 2, 4, 5, 16, device=DEVICE)
     cos = torch.randn(3, 2, 5, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="mrope_section"):
-        rope.hf_apply_multimodal_rotary_pos_emb(q, k, cos, cos, [2, 2, 2])
+    sin = torch.randn(sin_shape, device=DEVICE)
+    with pytest.raises(ValueError, match=message):
+        rope.hf_apply_multimodal_rotary_pos_emb(q, k, cos, sin, section)
+
+
+def test_a_wider_table_promotes_as_transformers_does():
+    """q and k in float16 with float32 tables (a model under autocast): float32 results, as
+    transformers' q * cos gives."""
+    q, k, cos, sin = inputs(2, 5, 4, 2, 16, 16, torch.float16, 1, 1)
+    got = rope.hf_apply_rotary_pos_emb(q, k, cos.float(), sin.float())
+    want = hf_reference(q, k, cos.float(), sin.float())
+    for y, ref in zip(got, want):
+        assert y.dtype == ref.dtype == torch.float32
+        torch.testing.assert_close(y, ref)
+
+
+def test_position_ids_edges():
+    """Empty position_ids; position_ids made under inference_mode (no version counter); a
+    negative id in a compiled call (not checked there) reads no memory before the table."""
+    q, k, _, _ = inputs(2, 3, 4, 2, 16, 16, torch.float32, 1, 1)
+    cache = torch.randn(5, 16, device=DEVICE)
+    empty = rope.hf_apply_rotary_pos_emb(
+        q[:, :, :0], k[:, :, :0], cache, cache, position_ids=torch.zeros(2, 0, dtype=torch.long)
+    )
+    assert [tuple(y.shape) for y in empty] == [(2, 4, 0, 16), (2, 2, 0, 16)]
+    with torch.inference_mode():
+        ids = torch.tensor([[0, 2, 1]], device=DEVICE)
+        got = rope.hf_apply_rotary_pos_emb(q, k, cache, cache / 2, position_ids=ids)
+        want = rope.hf_apply_rotary_pos_emb(q, k, cache[ids], cache[ids] / 2)
+        assert all(a.equal(b) for a, b in zip(got, want))
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        rope.hf_apply_rotary_pos_emb, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager"
+    )
+    ids = torch.tensor([[-1, 0, 2]], device=DEVICE)
+    q_embed, _ = compiled(q.detach(), k.detach(), cache, cache, position_ids=ids)
+    assert q_embed[:, :, 0].eq(0).all()  # cos and sin read as 0 outside the table
+
+
+def test_a_table_past_2_31_elements():
+    """Per-row tables whose batch offset passes 2**31 elements: 64-bit offsets (only the pages
+    read are touched)."""
+    big = torch.empty(2 * 2**30 + 8, dtype=torch.float32, device=DEVICE)
+    cos = big.as_strided((3, 2, 4), (2**30, 4, 1))
+    cos.fill_(0.5)
+    q, k = torch.randn(2, 3, 1, 2, 4, device=DEVICE)
+    got = rope.hf_apply_rotary_pos_emb(q, k, cos, cos)
+    torch.testing.assert_close(got, hf_reference(q, k, cos, cos))
