@@ -116,6 +116,13 @@ def test_multimodal_equals_the_formula():
     got = rope.hf_apply_multimodal_rotary_pos_emb(q, k, cos, sin, [2, 3, 3])
     want = legacy_multimodal(q, k, cos, sin, [2, 3, 3])
     torch.testing.assert_close(got, want)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        rope.hf_apply_multimodal_rotary_pos_emb,
+        fullgraph=True,
+        backend="inductor" if ON_GPU else "aot_eager",
+    )
+    assert all(a.equal(b) for a, b in zip(compiled(q, k, cos, sin, [2, 3, 3]), got))
     grads = [torch.randn_like(y) for y in want]
     torch.testing.assert_close(
         torch.autograd.grad(got, (q, k), grads), torch.autograd.grad(want, (q, k), grads)
