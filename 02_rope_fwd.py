@@ -654,9 +654,10 @@ def _halves_equal(freqs, interleaved):  # traced into the graph under torch.comp
 
 def _angles_shared(freqs, interleaved):
     """int32 [1], computed on the device: 1 if f_b == f_a everywhere (the kernel then reads half
-    the table); remembered per table in eager mode."""
+    the table); remembered per table in eager mode. Compiled code cannot remember it, and a pass
+    over the table each call costs more than the kernel's reading both halves: 0 there."""
     if torch.compiler.is_compiling():
-        return _halves_equal(freqs, interleaved)
+        return torch.zeros(1, dtype=torch.int32, device=freqs.device)
     compute = functools.partial(_halves_equal, freqs, interleaved)
     return _remember("angles shared", (freqs,), (interleaved,), compute)
 

@@ -270,9 +270,9 @@ def _cos_sin(
     TABLES: tl.constexpr,
 ):
     """(cos_a, sin_a, cos_b, sin_b), [BLOCK_S, 1, HALF] each, from the table rows at offsets rows:
-    angles (f_b read only if the table's halves differ: as in 02, rotate-half's table then moves
-    half its bytes), or TABLES: cos and sin read as they are (Hugging Face's, in any float dtype,
-    perhaps scaled by an attention factor)."""
+    angles, or TABLES: cos and sin read as they are (Hugging Face's, in any float dtype, perhaps
+    scaled by an attention factor). The second halves are read only if the flag says the halves
+    differ: rotate-half's tables then move half their bytes, as in 02."""
     i = tl.arange(0, HALF)
     if INTERLEAVED:
         f_a, f_b = 2 * i, 2 * i + 1
@@ -281,7 +281,9 @@ def _cos_sin(
     f_mask = row_mask[:, None] & (i < rot_dim // 2)[None, :]
     f_rows = rows.to(tl.int64)[:, None]
     offset_a = f_rows + f_a[None, :] * stride_fd
-    offset_b = f_rows + f_b[None, :] * stride_fd
+    read_b = tl.load(angles_shared_ptr + 0 * i)[None, :] == 0  # the flag, one copy per lane
+    # Equal halves: f_b's loads take f_a's offsets again, bytes the cache already holds
+    offset_b = tl.where(read_b, f_rows + f_b[None, :] * stride_fd, offset_a)
     compute = tl.float64 if IS_FP64 else tl.float32
     if TABLES:
         cos_a = tl.load(freqs_ptr + offset_a, mask=f_mask, other=0.0).to(compute)[:, None, :]
@@ -289,10 +291,8 @@ def _cos_sin(
         sin_a = tl.load(sin_ptr + offset_a, mask=f_mask, other=0.0).to(compute)[:, None, :]
         sin_b = tl.load(sin_ptr + offset_b, mask=f_mask, other=0.0).to(compute)[:, None, :]
     else:
-        angle_a = tl.load(freqs_ptr + offset_a, mask=f_mask, other=0.0)
-        read_b = tl.load(angles_shared_ptr + 0 * i)[None, :] == 0  # the flag, one copy per lane
-        angle_b = tl.load(freqs_ptr + offset_b, mask=f_mask & read_b, other=0.0)
-        angle_a, angle_b = angle_a[:, None, :], tl.where(read_b, angle_b, angle_a)[:, None, :]
+        angle_a = tl.load(freqs_ptr + offset_a, mask=f_mask, other=0.0)[:, None, :]
+        angle_b = tl.load(freqs_ptr + offset_b, mask=f_mask, other=0.0)[:, None, :]
         cos_a, sin_a = tl.cos(angle_a).to(compute), tl.sin(angle_a).to(compute)
         cos_b, sin_b = tl.cos(angle_b).to(compute), tl.sin(angle_b).to(compute)
     if BACKWARD:  # the transposed rotation: the sines trade halves and change sign
@@ -988,7 +988,12 @@ def _rope_impl(
     """RoPE (backward=True: the transposed rotation) into new contiguous tensors, as
     TransformerEngine's. q_width = 0: x is q, k optional. Fused QKV (q_width > 0): k None splits
     x = qkv [.., h, q_width + 2 d] into q [.., h g, d], k and v [.., h, d]; else x, k, v (dq, dk,
-    dv) are merged into one [.., h, q_width + 2 d] (no concatenation)."""
+    dv) are merged into one [.., h, q_width + 2 d] (no concatenation). tensor_format "bhsd":
+    Hugging Face's q and k [b, h, s, d], read and written as bshd views, the outputs with the
+    inputs' strides (transposed here, not in autograd's graph: no view nodes in the backward)."""
+    heads_first = tensor_format == "bhsd"
+    if heads_first:
+        tensor_format = "bshd"
     args = (
         freqs,
         angles_shared,
@@ -1000,6 +1005,12 @@ def _rope_impl(
         cp_size,
         cp_rank,
     )
+    if heads_first:
+        q_out = torch.empty_like(x)  # x's strides: transposed views of [b, s, h, d] memory stay so
+        k_out = torch.empty_like(k)
+        views = [y.transpose(1, 2) for y in (x, q_out, k, k_out)]  # [b, s, h, d]
+        _launch(kernel, *views, *args, k_freqs=k_freqs, tables=tables)
+        return [q_out, k_out]
     if not q_width:
         q_out = torch.empty_like(x, memory_format=torch.contiguous_format)
         if k is None:
@@ -1101,23 +1112,27 @@ def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions, c
     return True
 
 
-def _angles_shared(freqs, interleaved, what="angles shared"):
-    """int32 [1]: 1 if every pair's two angles are equal (f_b == f_a, as in a model's table), so
-    that the kernel reads f_a only. No host sync: the flag stays on the device; eager calls
-    remember it for the last table seen."""
+def _angles_shared(tables, interleaved, what="angles shared"):
+    """int32 [1]: 1 if in each of the tables (angles; or cos and sin) every pair's two values are
+    equal (f_b == f_a, as in a model's table), so that the kernel reads f_a only. No host sync:
+    the flag stays on the device; eager calls remember it for the last tables seen. Compiled code
+    cannot remember it, and a pass over the table each call costs more than the kernel's reading
+    both halves: 0 there."""
 
     def compute():
-        f = freqs[:, 0, 0]
-        if interleaved:
-            f_a = f[:, 0::2]
-            f_b = f[:, 1::2]
-        else:
-            f_a, f_b = f.chunk(2, dim=-1)
-        return (f_a == f_b).all().to(torch.int32).reshape(1)
+        equal = []
+        for f in tables:
+            if interleaved:
+                f_a = f[..., 0::2]
+                f_b = f[..., 1::2]
+            else:
+                f_a, f_b = f.chunk(2, dim=-1)
+            equal.append((f_a == f_b).all())
+        return torch.stack(equal).all().to(torch.int32).reshape(1)
 
-    if torch.compiler.is_compiling():  # traced into the graph
-        return compute()
-    return _remember(what, (freqs,), (interleaved,), compute)
+    if torch.compiler.is_compiling():
+        return torch.zeros(1, dtype=torch.int32, device=tables[0].device)
+    return _remember(what, tables, (interleaved,), compute)
 
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -1292,10 +1307,10 @@ def _apply(
             )
     if k_freqs is freqs:  # one table for q and k: read once (and autograd takes no tensor twice)
         k_freqs = None
-    shared = _angles_shared(freqs, interleaved)
+    shared = _angles_shared((freqs,), interleaved)
     k_shared = None
     if k_freqs is not None:
-        k_shared = _angles_shared(k_freqs, interleaved, "k angles shared")
+        k_shared = _angles_shared((k_freqs,), interleaved, "k angles shared")
     padding = [None] * (3 - len(tensors))  # the inputs: q, k, v (or qkv, None, None)
     args = (*tensors, *padding, freqs, k_freqs, shared, k_shared, cu_seqlens, start_positions)
     options = (tensor_format, interleaved, False, cp_size, cp_rank, split[0], False)
@@ -1568,6 +1583,7 @@ def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *, position_ids=Non
                 f"{name} requires grad, but no gradient flows to the tables here (as in "
                 f"Liger's and TransformerEngine's fused RoPE); pass {name}.detach()"
             )
+    shared = _angles_shared((cos, sin), False, "tables shared")  # of the caller's tensors: kept
     dtype = torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
     if q.dtype != dtype:  # as transformers' q * cos promotes (an fp32 table under autocast)
         q = q.to(dtype)
@@ -1582,18 +1598,14 @@ def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *, position_ids=Non
         cos = cos[:, None, None, :]
         sin = sin[:, None, None, :]
         position_ids = position_ids.expand(q.shape[0], -1)
-    if unsqueeze_dim == 1:  # [b, s, h, d] views
-        q = q.transpose(1, 2)
-        k = k.transpose(1, 2)
-    args = (q, k, None, cos, sin, None, None, None, position_ids)
-    options = ("bshd", False, False, 1, 0, 0, True)
-    if tracing or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        q_embed, k_embed = _ApplyRoPE.apply(*args, options)
-    else:
-        q_embed, k_embed = _rope(*args, *options)
+    tensor_format = "bshd"
     if unsqueeze_dim == 1:
-        return q_embed.transpose(1, 2), k_embed.transpose(1, 2)
-    return q_embed, k_embed
+        tensor_format = "bhsd"
+    args = (q, k, None, cos, sin, shared, None, None, position_ids)
+    options = (tensor_format, False, False, 1, 0, 0, True)
+    if tracing or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return _ApplyRoPE.apply(*args, options)
+    return tuple(_rope(*args, *options))
 
 
 def hf_apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
@@ -1745,7 +1757,7 @@ def _liger_peer():
 
 
 def _backward(dq, dk, freqs):  # the backward kernel alone, launched as autograd launches it
-    flag = _angles_shared(freqs, False)  # as autograd's call has it: 1, a model's table
+    flag = _angles_shared((freqs,), False)  # as autograd's call has it: 1, a model's table
     args = (freqs, None, flag, None, None, None, "bshd", False, True, 1, 0, 0, False)
     return _rope(dq, dk, None, *args)
 

@@ -63,6 +63,27 @@ def test_equals_transformers(dtype, unsqueeze_dim, table_batch, d2, h_k, scale):
         torch.testing.assert_close(y, hf, rtol=ulp, atol=2 * ulp)
 
 
+@pytest.mark.parametrize("halves_differ", ["none", "cos", "sin"])
+def test_tables_second_halves_read_when_they_differ(halves_differ):
+    """Equal halves in both tables (transformers' cat(freqs, freqs)) set the flag with which the
+    kernel reads only the first halves; a table whose halves differ, cos or sin alone, clears it,
+    and the results are still transformers'."""
+    q, k, cos, sin = inputs(2, 5, 2, 2, 16, 16, torch.float32, 1, 1)
+    if halves_differ == "cos":
+        cos = torch.randn_like(cos)
+    if halves_differ == "sin":
+        sin = torch.randn_like(sin)
+    flag = rope._angles_shared((cos, sin), False, "tables shared")
+    assert flag.item() == (halves_differ == "none")
+    got = rope.hf_apply_rotary_pos_emb(q, k, cos, sin)
+    grads = [torch.randn_like(x) for x in got]
+    got = (*got, *torch.autograd.grad(got, (q, k), grads))
+    want = hf_reference(q, k, cos, sin)
+    want = (*want, *torch.autograd.grad(want, (q, k), grads))
+    for y, ref in zip(got, want):
+        torch.testing.assert_close(y, ref)
+
+
 def test_position_ids_pick_rows_of_a_cache():
     """cos and sin as a cache [max_positions, d2] and position_ids [b or 1, s]: the rows that
     the ids pick, as if the tables had been gathered; positions past every id unused."""
@@ -309,8 +330,9 @@ def test_position_ids_edges():
     negative id in a compiled call (not checked there) reads no memory before the table."""
     q, k, _, _ = inputs(2, 3, 4, 2, 16, 16, torch.float32, 1, 1)
     cache = torch.randn(5, 16, device=DEVICE)
+    no_ids = torch.zeros(2, 0, dtype=torch.long, device=DEVICE)
     empty = rope.hf_apply_rotary_pos_emb(
-        q[:, :, :0], k[:, :, :0], cache, cache, position_ids=torch.zeros(2, 0, dtype=torch.long)
+        q[:, :, :0], k[:, :, :0], cache, cache, position_ids=no_ids
     )
     assert [tuple(y.shape) for y in empty] == [(2, 4, 0, 16), (2, 2, 0, 16)]
     with torch.inference_mode():

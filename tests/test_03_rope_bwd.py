@@ -147,7 +147,7 @@ def test_registered_op_matches_the_eager_launch():
         None,
         freqs,
         None,
-        rope._angles_shared(freqs, True),
+        rope._angles_shared((freqs,), True),
         None,
         kwargs["cu_seqlens"],
         kwargs["start_positions"],
