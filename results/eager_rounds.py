@@ -130,7 +130,7 @@ def main():
         "",
         f"Command: `python results/{os.path.basename(__file__)}`",
         "",
-        __doc__.split("\n\n")[1].replace("\n", " "),
+        " ".join(__doc__.split("\n\n")[1].split()),
         "",
         "A cell: the median over rounds of the eager call's us per call [the rounds' range]; "
         "(x%): the row's copy x2 (median) over the cell's median.",
