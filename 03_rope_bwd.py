@@ -547,10 +547,10 @@ def rope_kernel(
 
 def _layout(t, tensor_format):
     """t's (batch, seqlen, heads, head_dim) and its strides in that order; thd: batch None, batch
-    stride 0 (the rows are the packed tokens)."""
+    stride 0 (the rows are the packed tokens). "bhsd": Hugging Face's [b, h, s, d]."""
     if tensor_format == "thd":
         return (None, *t.shape), (0, *t.stride())
-    order = (1, 0, 2, 3) if tensor_format == "sbhd" else (0, 1, 2, 3)
+    order = {"sbhd": (1, 0, 2, 3), "bhsd": (0, 2, 1, 3)}.get(tensor_format, (0, 1, 2, 3))
     return tuple(t.shape[i] for i in order), tuple(t.stride(i) for i in order)
 
 
@@ -663,7 +663,7 @@ def rope_launch_args(
     # Sizes, from the tensor that holds q's heads (split: q_out, as q is the packed qkv)
     q_heads = q_out if cols[0] else q
     batch, seqlen, n_q_heads, head_dim = _layout(q_heads, tensor_format)[0]
-    n_k_heads = tensors[2].shape[-2]  # k's, or its stand-in's
+    n_k_heads = _layout(tensors[2], tensor_format)[0][2]  # k's, or its stand-in's
     rot_dim = freqs.shape[3]
     BLOCK_S = 1
     n_seq_blocks = triton.cdiv(seqlen, BLOCK_S)
@@ -989,11 +989,8 @@ def _rope_impl(
     TransformerEngine's. q_width = 0: x is q, k optional. Fused QKV (q_width > 0): k None splits
     x = qkv [.., h, q_width + 2 d] into q [.., h g, d], k and v [.., h, d]; else x, k, v (dq, dk,
     dv) are merged into one [.., h, q_width + 2 d] (no concatenation). tensor_format "bhsd":
-    Hugging Face's q and k [b, h, s, d], read and written as bshd views, the outputs with the
-    inputs' strides (transposed here, not in autograd's graph: no view nodes in the backward)."""
-    heads_first = tensor_format == "bhsd"
-    if heads_first:
-        tensor_format = "bshd"
+    Hugging Face's q and k [b, h, s, d], the outputs with their strides (for views of [b, s, h, d]
+    memory, as transformers' formula returns them)."""
     args = (
         freqs,
         angles_shared,
@@ -1005,18 +1002,15 @@ def _rope_impl(
         cp_size,
         cp_rank,
     )
-    if heads_first:
-        q_out = torch.empty_like(x)  # x's strides: transposed views of [b, s, h, d] memory stay so
-        k_out = torch.empty_like(k)
-        views = [y.transpose(1, 2) for y in (x, q_out, k, k_out)]  # [b, s, h, d]
-        _launch(kernel, *views, *args, k_freqs=k_freqs, tables=tables)
-        return [q_out, k_out]
     if not q_width:
-        q_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        memory_format = torch.contiguous_format
+        if tensor_format == "bhsd":
+            memory_format = torch.preserve_format
+        q_out = torch.empty_like(x, memory_format=memory_format)
         if k is None:
             _launch(kernel, x, q_out, None, None, *args, k_freqs=k_freqs, tables=tables)
             return [q_out]
-        k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+        k_out = torch.empty_like(k, memory_format=memory_format)
         _launch(kernel, x, q_out, k, k_out, *args, k_freqs=k_freqs, tables=tables)
         return [q_out, k_out]
     if k is None:  # split: qkv passed whole as q, k and v (no views), k at q_width, v after
