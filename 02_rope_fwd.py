@@ -569,7 +569,7 @@ def launch_rope_fwd(
 # - values read once per tensor: cu_seqlens and start_positions cost a host sync to check; q, k
 #   and every layer of a batch share them, so the verdict is kept for the last tensors seen, by
 #   identity and version counter, which in-place writes bump; so is the table's "halves equal"
-#   flag, computed on the device;
+#   flag, computed on the device (compiled code, which cannot keep it, passes 0: both halves read);
 # - the launch cache around rope_fwd_launch_args: Triton's ``kernel[grid](...)`` binds and
 #   specializes its 45 arguments on every call, yet all of it depends on the signature only (the
 #   tensors' shapes, strides, dtypes, devices and 16-byte alignment, on which Triton specializes

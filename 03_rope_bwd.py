@@ -796,7 +796,8 @@ def launch_rope(
 # - the launch cache around rope_launch_args: a signature's later launches go straight to the
 #   compiled kernel, past Triton's binding of its 74 arguments;
 # - values read once per tensor: cu_seqlens and start_positions cost one host sync, not one a call,
-#   and the "halves equal" flag of a table (the kernel then reads one angle a pair) one computation;
+#   and the "halves equal" flag of an angle table, or of cos and sin (the kernel then reads one
+#   value a pair), one computation (compiled code, which cannot keep it, passes 0: both read);
 # - a torch.library op: torch.compile(fullgraph=True) captures the launch without a graph break;
 # - an autograd Function: gradients and double backward, saving only the angle tables, their
 #   flags and the index tensors;
