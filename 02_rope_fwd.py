@@ -611,10 +611,14 @@ def _once(cache, key, compute):
 
 def _remember(what, tensors, extra_key, compute):
     """compute(), or its result for the same tensors at the same versions last time."""
+    if any(x.is_inference() for x in tensors):  # no version counter: computed every time
+        return compute()
     key = tuple((id(x), x._version) for x in tensors) + extra_key
     last = _last_results.get(what)
     if last is None or last[0] != key or not all(ref() is x for ref, x in zip(last[1], tensors)):
-        _last_results[what] = (key, tuple(weakref.ref(x) for x in tensors), compute())
+        with torch.inference_mode(False):  # kept for later calls, in any mode
+            result = compute()
+        _last_results[what] = (key, tuple(weakref.ref(x) for x in tensors), result)
     return _last_results[what][2]
 
 
@@ -644,7 +648,7 @@ def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
         )
 
 
-def _halves_equal(freqs, interleaved):  # traced into the graph under torch.compile
+def _halves_equal(freqs, interleaved):
     if interleaved:
         f_a, f_b = freqs[..., 0::2], freqs[..., 1::2]
     else:
@@ -654,9 +658,10 @@ def _halves_equal(freqs, interleaved):  # traced into the graph under torch.comp
 
 def _angles_shared(freqs, interleaved):
     """int32 [1], computed on the device: 1 if f_b == f_a everywhere (the kernel then reads half
-    the table); remembered per table in eager mode. Compiled code cannot remember it, and a pass
-    over the table each call costs more than the kernel's reading both halves: 0 there."""
-    if torch.compiler.is_compiling():
+    the table); remembered per table in eager mode. Compiled code cannot remember it, nor can a
+    call on an inference tensor (no version counter), and a pass over the table each call costs
+    more than the kernel's reading both halves: 0 there."""
+    if torch.compiler.is_compiling() or freqs.is_inference():
         return torch.zeros(1, dtype=torch.int32, device=freqs.device)
     compute = functools.partial(_halves_equal, freqs, interleaved)
     return _remember("angles shared", (freqs,), (interleaved,), compute)

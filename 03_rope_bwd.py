@@ -588,8 +588,6 @@ def rope_kernel_tensors(
         # never written, take the places of k_out and v_out.
         k_out = k
         v_out = v
-    if angles_shared is None:  # cos/sin tables (TABLES): no flag, and the table stands in
-        angles_shared = freqs
     if k_freqs is None:
         k_freqs = freqs
     if k_shared is None:
@@ -850,7 +848,9 @@ def _remember(what, tensors, extra_key, compute):
     key = tuple((id(x), x._version) for x in tensors) + extra_key
     last = _last_results.get(what)
     if last is None or last[0] != key or not all(ref() is x for ref, x in zip(last[1], tensors)):
-        _last_results[what] = (key, tuple(weakref.ref(x) for x in tensors), compute())
+        with torch.inference_mode(False):  # a result autograd may save later
+            result = compute()
+        _last_results[what] = (key, tuple(weakref.ref(x) for x in tensors), result)
     return _last_results[what][2]
 
 
@@ -1111,8 +1111,8 @@ def _angles_shared(tables, interleaved, what="angles shared"):
     """int32 [1]: 1 if in each of the tables (angles; or cos and sin) every pair's two values are
     equal (f_b == f_a, as in a model's table), so that the kernel reads f_a only. No host sync:
     the flag stays on the device; eager calls remember it for the last tables seen. Compiled code
-    cannot remember it, and a pass over the table each call costs more than the kernel's reading
-    both halves: 0 there."""
+    cannot remember it, nor can a call on inference tensors (no version counter), and a pass over
+    the table each call costs more than the kernel's reading both halves: 0 there."""
 
     def compute():
         equal = []
@@ -1125,7 +1125,7 @@ def _angles_shared(tables, interleaved, what="angles shared"):
             equal.append((f_a == f_b).all())
         return torch.stack(equal).all().to(torch.int32).reshape(1)
 
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or any(f.is_inference() for f in tables):
         return torch.zeros(1, dtype=torch.int32, device=tables[0].device)
     return _remember(what, tables, (interleaved,), compute)
 
@@ -1563,6 +1563,12 @@ def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *, position_ids=Non
     position_ids: int [b or 1, s], keyword only (an extension): token (i, j) uses row
         position_ids[i, j] of cos and sin.
     """
+    return _hf_apply(q, k, cos, sin, unsqueeze_dim, position_ids, (cos, sin))
+
+
+def _hf_apply(q, k, cos, sin, unsqueeze_dim, position_ids, flag_tables):
+    """hf_apply_rotary_pos_emb, with the halves-equal flag of flag_tables (M-RoPE's: the tables
+    before recomposing, which a model passes to every layer, so the flag is computed once)."""
     tracing = torch.compiler.is_compiling()
     check = functools.partial(_check_hf, q, k, cos, sin, unsqueeze_dim, position_ids)
     if tracing:
@@ -1578,7 +1584,7 @@ def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *, position_ids=Non
                 f"{name} requires grad, but no gradient flows to the tables here (as in "
                 f"Liger's and TransformerEngine's fused RoPE); pass {name}.detach()"
             )
-    shared = _angles_shared((cos, sin), False, "tables shared")  # of the caller's tensors: kept
+    shared = _angles_shared(flag_tables, False, "tables shared")  # of the caller's tensors: kept
     dtype = torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
     if q.dtype != dtype:  # as transformers' q * cos promotes (an fp32 table under autocast)
         q = q.to(dtype)
@@ -1624,10 +1630,10 @@ def hf_apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_
             f"mrope_section {list(mrope_section)} must sum to half the tables' last dim, "
             f"{cos.shape[-1] // 2}"
         )
-    sections = list(mrope_section) * 2
-    cos = torch.cat([m[i % 3] for i, m in enumerate(cos.split(sections, dim=-1))], dim=-1)
-    sin = torch.cat([m[i % 3] for i, m in enumerate(sin.split(sections, dim=-1))], dim=-1)
-    return hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+    sections = list(mrope_section) * 2  # halves of equal sections: equal halves stay equal
+    cos_t = torch.cat([m[i % 3] for i, m in enumerate(cos.split(sections, dim=-1))], dim=-1)
+    sin_t = torch.cat([m[i % 3] for i, m in enumerate(sin.split(sections, dim=-1))], dim=-1)
+    return _hf_apply(q, k, cos_t, sin_t, unsqueeze_dim, None, (cos, sin))
 
 
 # %% Part 3 - check and benchmark
@@ -1745,7 +1751,7 @@ def _liger_peer():
         print(f"(liger_kernel is not importable, its columns are skipped: {e})")
         return {}
 
-    def liger(q, k, cos, sin):  # rotates q and k in place where they are contiguous copies
+    def liger(q, k, cos, sin):  # rotates q and k in place (their memory, through the views)
         return LigerRopeFunction.apply(q, k, cos, sin)[:2]
 
     return {"liger": liger, "liger, eager call": liger}

@@ -519,3 +519,21 @@ def test_remembered_launch_gets_every_argument_in_order(monkeypatch):
             for x, y in zip((q, k), outs):
                 torch.testing.assert_close(y, rope.rope_reference(x, freqs, **kwargs))
     assert len(rope._launches) == 6 and len(remembered_launches) == 6
+
+
+def test_inference_mode():
+    """Under torch.inference_mode (tensors with no version counter) the call works and equals the
+    normal one, in thd with a model's table (halves equal); a table first seen there keeps a flag
+    usable outside it."""
+    t = torch.randn(S_FEW * 2, H, 64, device=DEVICE)
+    cu_seqlens = torch.tensor([0, S_FEW, 2 * S_FEW], device=DEVICE, dtype=torch.int32)
+    freqs = rope.rope_freqs(S_FEW, 64, device=DEVICE)
+    want = rope.rope_fwd(t, freqs, "thd", cu_seqlens=cu_seqlens)
+    with torch.inference_mode():
+        inference_t = t.clone()
+        inference_cu = cu_seqlens.clone()
+        inference_freqs = freqs.clone()
+        got = rope.rope_fwd(inference_t, inference_freqs, "thd", cu_seqlens=inference_cu)
+        seen_here = rope.rope_fwd(t, freqs, "thd", cu_seqlens=cu_seqlens)
+    assert got.is_inference() and got.equal(want) and seen_here.equal(want)
+    assert not rope._angles_shared(freqs, False).is_inference()

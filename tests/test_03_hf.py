@@ -63,6 +63,37 @@ def test_equals_transformers(dtype, unsqueeze_dim, table_batch, d2, h_k, scale):
         torch.testing.assert_close(y, hf, rtol=ulp, atol=2 * ulp)
 
 
+def test_the_flag_reaches_the_kernel(monkeypatch):
+    """With the flag forced to 1 on tables whose halves differ, the kernel reads the first halves
+    only: the result is transformers' with each table's first half in both halves."""
+    q, k, cos, sin = inputs(2, 5, 2, 2, 16, 16, torch.float32, 1, 1)
+    cos = torch.randn_like(cos)
+    sin = torch.randn_like(sin)
+    ones = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    monkeypatch.setattr(rope, "_angles_shared", lambda *args: ones)
+    got = rope.hf_apply_rotary_pos_emb(q, k, cos, sin)
+    want = hf_reference(q, k, cos[..., :8].repeat(1, 1, 2), sin[..., :8].repeat(1, 1, 2))
+    for y, ref in zip(got, want):
+        torch.testing.assert_close(y, ref)
+
+
+def test_tables_first_seen_in_inference_mode_then_with_gradients():
+    """The flag remembered from a call under inference_mode serves a later call with gradients
+    (autograd saves it), and inference tables themselves get a flag that reads both halves."""
+    q, k, cos, sin = inputs(2, 5, 2, 2, 16, 16, torch.float32, 1, 1)
+    with torch.inference_mode():
+        rope.hf_apply_rotary_pos_emb(q.detach(), k.detach(), cos, sin)
+        inference_cos, inference_sin = cos.clone(), sin.clone()
+        assert rope._angles_shared((inference_cos, inference_sin), False).item() == 0
+    got = rope.hf_apply_rotary_pos_emb(q, k, cos, sin)
+    grads = [torch.randn_like(x) for x in got]
+    got = (*got, *torch.autograd.grad(got, (q, k), grads))
+    want = hf_reference(q, k, cos, sin)
+    want = (*want, *torch.autograd.grad(want, (q, k), grads))
+    for y, ref in zip(got, want):
+        torch.testing.assert_close(y, ref)
+
+
 @pytest.mark.parametrize("halves_differ", ["none", "cos", "sin"])
 def test_tables_second_halves_read_when_they_differ(halves_differ):
     """Equal halves in both tables (transformers' cat(freqs, freqs)) set the flag with which the
@@ -131,9 +162,16 @@ def legacy_multimodal(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
     return hf_reference(q, k, cos, sin, unsqueeze_dim)
 
 
-def test_multimodal_equals_the_formula():
+@pytest.mark.parametrize("halves", ["random", "equal"])
+def test_multimodal_equals_the_formula(halves):
+    """M-RoPE against the transformers-4 formula, eager, compiled and its gradients; with each
+    stream's halves equal (a model's tables), the flag from the tables before recomposing is 1."""
     q, k, _, _ = inputs(2, 6, 4, 2, 16, 16, torch.float32, 1, 1)
     cos, sin = torch.randn(2, 3, 2, 6, 16, device=DEVICE)  # three position streams
+    if halves == "equal":
+        cos = cos[..., :8].repeat(1, 1, 1, 2)
+        sin = sin[..., :8].repeat(1, 1, 1, 2)
+    assert rope._angles_shared((cos, sin), False).item() == (halves == "equal")
     got = rope.hf_apply_multimodal_rotary_pos_emb(q, k, cos, sin, [2, 3, 3])
     want = legacy_multimodal(q, k, cos, sin, [2, 3, 3])
     torch.testing.assert_close(got, want)

@@ -758,3 +758,20 @@ def assert_close_with_gradients(outs, refs, inputs):
     want = (*refs, *torch.autograd.grad(refs, inputs, grads))
     for y, ref in zip(got, want):
         torch.testing.assert_close(y, ref)
+
+
+def test_tables_first_seen_in_inference_mode_then_with_gradients():
+    """Values and flags remembered from a call under inference_mode serve a later call with
+    gradients, which autograd saves; inference tensors themselves work too."""
+    t, freqs, kwargs = make_inputs("thd", 64, 64, torch.float32, "contiguous", True)
+    freqs = rope.rope_freqs(freqs.shape[0], 64, device=DEVICE)  # a model's table: halves equal
+    with torch.inference_mode():
+        rope.apply_rotary_pos_emb(t.detach(), freqs, **kwargs)
+        inference_out = rope.apply_rotary_pos_emb(t.detach().clone(), freqs.clone(), **kwargs)
+    out = rope.apply_rotary_pos_emb(t, freqs, **kwargs)
+    torch.testing.assert_close(inference_out, out.detach())
+    dy = torch.randn_like(out)
+    got = torch.autograd.grad(out, t, dy)
+    torch.testing.assert_close(
+        got, torch.autograd.grad(rope.rope_reference(t, freqs, **kwargs), t, dy)
+    )
