@@ -581,6 +581,7 @@ def launch_rope_fwd(
 _checked = {}
 _launches = {}
 _last_results = {}
+_read_both = {}  # per device: the flag with which the kernel reads both halves of the table
 
 
 def _signature(*args):
@@ -661,8 +662,11 @@ def _angles_shared(freqs, interleaved):
     the table); remembered per table in eager mode. Compiled code cannot remember it, nor can a
     call on an inference tensor (no version counter), and a pass over the table each call costs
     more than the kernel's reading both halves: 0 there."""
-    if torch.compiler.is_compiling() or freqs.is_inference():
-        return torch.zeros(1, dtype=torch.int32, device=freqs.device)
+    read_both = functools.partial(torch.zeros, 1, dtype=torch.int32, device=freqs.device)
+    if torch.compiler.is_compiling():
+        return read_both()
+    if freqs.is_inference():  # one flag a device, not an allocation a call
+        return _once(_read_both, freqs.device, read_both)
     compute = functools.partial(_halves_equal, freqs, interleaved)
     return _remember("angles shared", (freqs,), (interleaved,), compute)
 

@@ -814,6 +814,7 @@ def launch_rope(
 _checked = {}
 _launches = {}
 _last_results = {}
+_read_both = {}  # per device: the flag with which the kernel reads both halves of the tables
 
 
 def _signature(*args):
@@ -1125,8 +1126,11 @@ def _angles_shared(tables, interleaved, what="angles shared"):
             equal.append((f_a == f_b).all())
         return torch.stack(equal).all().to(torch.int32).reshape(1)
 
-    if torch.compiler.is_compiling() or any(f.is_inference() for f in tables):
-        return torch.zeros(1, dtype=torch.int32, device=tables[0].device)
+    read_both = functools.partial(torch.zeros, 1, dtype=torch.int32, device=tables[0].device)
+    if torch.compiler.is_compiling():
+        return read_both()
+    if any(f.is_inference() for f in tables):  # one flag a device, not an allocation a call
+        return _once(_read_both, tables[0].device, read_both)
     return _remember(what, tables, (interleaved,), compute)
 
 

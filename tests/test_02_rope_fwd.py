@@ -5,7 +5,16 @@ adds large shapes and tensors of more than 2**31 elements."""
 import pytest
 import torch
 
-from conftest import DEVICE, ON_GPU, all_pairs, load, logical_shape, make_view, random_cu_seqlens
+from conftest import (
+    DEVICE,
+    ON_GPU,
+    THD_PACKINGS,
+    all_pairs,
+    load,
+    logical_shape,
+    make_view,
+    random_cu_seqlens,
+)
 
 rope = load("02_rope_fwd.py")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -65,16 +74,7 @@ def test_thd_equals_per_sequence_application(interleaved):
         torch.testing.assert_close(out[bounds[i] : bounds[i + 1]], expected)
 
 
-LONGER = 1000 if ON_GPU else 100  # the interpreter runs each token's program in turn, slowly
-PACKINGS = {  # thd sequence lengths: the edges of cu_seqlens
-    "empty first, last and in a row": [0, 3, 0, 0, 5, 0],
-    "one token each": [1] * 9,
-    "short ones and one far longer": [1, 1, 1, LONGER, 1, 1],
-    "one sequence": [17],
-}
-
-
-@pytest.mark.parametrize("lengths", PACKINGS.values(), ids=PACKINGS)
+@pytest.mark.parametrize("lengths", THD_PACKINGS.values(), ids=THD_PACKINGS)
 def test_thd_packings_eager_and_compiled(lengths):
     """Every sequence rotated as if alone, from its own position 0 (plus its start position), and
     the compiled call writes what the eager call writes, bit for bit."""
@@ -537,3 +537,6 @@ def test_inference_mode():
         seen_here = rope.rope_fwd(t, freqs, "thd", cu_seqlens=cu_seqlens)
     assert got.is_inference() and got.equal(want) and seen_here.equal(want)
     assert not rope._angles_shared(freqs, False).is_inference()
+    with torch.inference_mode():
+        flag = rope._angles_shared(inference_freqs, False)
+        assert flag.item() == 0 and rope._angles_shared(inference_freqs, False) is flag

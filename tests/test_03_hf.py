@@ -23,6 +23,18 @@ def hf_reference(q, k, cos, sin, unsqueeze_dim=1):
     return torch.cat((q_embed, q[..., d2:]), -1), torch.cat((k_embed, k[..., d2:]), -1)
 
 
+def check_against_transformers(q, k, cos, sin):
+    """hf_apply_rotary_pos_emb's values and gradients of float32 q and k ([b, h, s, d]) equal
+    transformers' own."""
+    got = rope.hf_apply_rotary_pos_emb(q, k, cos, sin)
+    grads = [torch.randn_like(x) for x in got]
+    got = (*got, *torch.autograd.grad(got, (q, k), grads))
+    want = hf_reference(q, k, cos, sin)
+    want = (*want, *torch.autograd.grad(want, (q, k), grads))
+    for y, ref in zip(got, want):
+        torch.testing.assert_close(y, ref)
+
+
 def inputs(b, s, h, h_k, d, d2, dtype, unsqueeze_dim, table_batch, scale=1.0):
     """q and k as a model makes them (transposed views of [b, s, h, d] memory when unsqueeze_dim
     is 1), and cos/sin tables [table_batch, s, d2] of random angles scaled by an attention
@@ -84,14 +96,10 @@ def test_tables_first_seen_in_inference_mode_then_with_gradients():
     with torch.inference_mode():
         rope.hf_apply_rotary_pos_emb(q.detach(), k.detach(), cos, sin)
         inference_cos, inference_sin = cos.clone(), sin.clone()
-        assert rope._angles_shared((inference_cos, inference_sin), False).item() == 0
-    got = rope.hf_apply_rotary_pos_emb(q, k, cos, sin)
-    grads = [torch.randn_like(x) for x in got]
-    got = (*got, *torch.autograd.grad(got, (q, k), grads))
-    want = hf_reference(q, k, cos, sin)
-    want = (*want, *torch.autograd.grad(want, (q, k), grads))
-    for y, ref in zip(got, want):
-        torch.testing.assert_close(y, ref)
+        flag = rope._angles_shared((inference_cos, inference_sin), False)
+        assert flag.item() == 0  # read both halves: no pass over tables it cannot remember
+        assert rope._angles_shared((inference_cos, inference_sin), False) is flag  # one a device
+    check_against_transformers(q, k, cos, sin)
 
 
 @pytest.mark.parametrize("halves_differ", ["none", "cos", "sin"])
@@ -106,13 +114,7 @@ def test_tables_second_halves_read_when_they_differ(halves_differ):
         sin = torch.randn_like(sin)
     flag = rope._angles_shared((cos, sin), False, "tables shared")
     assert flag.item() == (halves_differ == "none")
-    got = rope.hf_apply_rotary_pos_emb(q, k, cos, sin)
-    grads = [torch.randn_like(x) for x in got]
-    got = (*got, *torch.autograd.grad(got, (q, k), grads))
-    want = hf_reference(q, k, cos, sin)
-    want = (*want, *torch.autograd.grad(want, (q, k), grads))
-    for y, ref in zip(got, want):
-        torch.testing.assert_close(y, ref)
+    check_against_transformers(q, k, cos, sin)
 
 
 def test_position_ids_pick_rows_of_a_cache():

@@ -5,7 +5,16 @@ graph breaks, autocast, and the errors. CPU runs small shapes in the interpreter
 import pytest
 import torch
 
-from conftest import DEVICE, ON_GPU, all_pairs, load, logical_shape, make_view, random_cu_seqlens
+from conftest import (
+    DEVICE,
+    ON_GPU,
+    THD_PACKINGS,
+    all_pairs,
+    load,
+    logical_shape,
+    make_view,
+    random_cu_seqlens,
+)
 
 rope = load("03_rope_bwd.py")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -241,16 +250,7 @@ def test_torch_compile_fullgraph():
     assert torch.autograd.grad(y, t, dy)[0].equal(torch.autograd.grad(y_eager, t2, dy)[0])
 
 
-LONGER = 1000 if ON_GPU else 100  # the interpreter runs each token's program in turn, slowly
-PACKINGS = {  # thd sequence lengths: the edges of cu_seqlens
-    "empty first, last and in a row": [0, 3, 0, 0, 5, 0],
-    "one token each": [1] * 9,
-    "short ones and one far longer": [1, 1, 1, LONGER, 1, 1],
-    "one sequence": [17],
-}
-
-
-@pytest.mark.parametrize("lengths", PACKINGS.values(), ids=PACKINGS)
+@pytest.mark.parametrize("lengths", THD_PACKINGS.values(), ids=THD_PACKINGS)
 def test_thd_packings_eager_and_compiled(lengths):
     """Every sequence rotated as if alone, from its own position 0 (plus its start position),
     forward and backward; the compiled call gives what the eager call gives, bit for bit."""
