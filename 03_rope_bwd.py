@@ -539,7 +539,8 @@ def rope_kernel(
 # One program a token (BLOCK_S = 1) with all its heads, the grid in memory order (thd: the packed
 # tokens); q's heads in about four unrolled steps of BLOCK_H, k's and v's in as many of BLOCK_HK.
 # Many small programs of few warps keep the most bytes in flight per multiprocessor (the sweeps:
-# results/02_rope_fwd_sweep.log, results/03_rope_bwd_sweep.log). The kernel takes every tensor
+# results/02_rope_fwd_sweep.log, results/03_rope_bwd_sweep.log). TABLES: two steps
+# (results/03_hf_rounds_H200.log). The kernel takes every tensor
 # argument whether it is used or not: its flags (HAS_K, HAS_V, K_FREQS, IS_THD,
 # HAS_START_POSITIONS) say which are real, and a tensor that is passed but never read stands in
 # for each absent one.
@@ -671,8 +672,11 @@ def rope_launch_args(
     else:
         grid = (batch * n_seq_blocks,)
     HALF = _pow2(rot_dim // 2)
-    BLOCK_H = max(1, _pow2(n_q_heads) // 4)  # the heads in about four steps
-    BLOCK_HK = max(1, _pow2(n_k_heads) // 4)
+    steps = 4  # the heads in about four steps
+    if tables:  # cos and sin loaded, not computed: fewer instructions a byte, and two steps pay
+        steps = 2
+    BLOCK_H = max(1, _pow2(n_q_heads) // steps)
+    BLOCK_HK = max(1, _pow2(n_k_heads) // steps)
     n_head_blocks = max(triton.cdiv(n_q_heads, BLOCK_H), triton.cdiv(n_k_heads, BLOCK_HK))
 
     table_batch_stride = 0  # one table for every batch row
@@ -710,7 +714,9 @@ def rope_launch_args(
         table_batch_stride,
         *position_strides,
     )
-    if BLOCK_H * HALF > 128:  # big tiles of q
+    if tables and HALF < 64:  # tables of up to 64 rotated channels: two warps
+        num_warps = 2
+    elif BLOCK_H * HALF > 128:  # big tiles of q
         num_warps = 4
     elif v is not None and (BLOCK_H + 2 * BLOCK_HK) * HALF < 256:  # fused QKV's small tiles
         num_warps = 1
@@ -829,28 +835,28 @@ def _signature(*args):
     )
 
 
-def _once(cache, key, compute):
-    """compute(), once per key; not kept if it raised (or the key is unhashable: a bad argument,
-    named by the check)."""
+def _once(cache, key, compute, *args):
+    """compute(*args), once per key; not kept if it raised (or the key is unhashable: a bad
+    argument, named by the check)."""
     try:
         return cache[key]
     except (KeyError, TypeError):
         pass
     if len(cache) >= 4096:  # a workload of ever new shapes starts over
         cache.clear()
-    cache[key] = value = compute()
+    cache[key] = value = compute(*args)
     return value
 
 
-def _remember(what, tensors, extra_key, compute):
-    """compute(), or its result for the same tensors at the same versions."""
-    if any(x.is_inference() for x in tensors):  # no version counter: computed every time
-        return compute()
-    key = tuple((id(x), x._version) for x in tensors) + extra_key
+def _remember(what, tensors, extra_key, compute, *args):
+    """compute(*args), or its result for the same tensors at the same versions."""
+    if any([x.is_inference() for x in tensors]):  # no version counter: computed every time
+        return compute(*args)
+    key = tuple([(id(x), x._version) for x in tensors]) + extra_key
     last = _last_results.get(what)
     if last is None or last[0] != key or not all(ref() is x for ref, x in zip(last[1], tensors)):
         with torch.inference_mode(False):  # a result autograd may save later
-            result = compute()
+            result = compute(*args)
         _last_results[what] = (key, tuple(weakref.ref(x) for x in tensors), result)
     return _last_results[what][2]
 
@@ -863,6 +869,14 @@ def _remember(what, tensors, extra_key, compute):
 # the compiler trace the kernel itself. Where torch lacks triton_op, or in the interpreter, a
 # ``custom_op`` with a "fake" (output shapes only) keeps the graph whole, the kernel opaque. Either
 # way: pure tensor work, no host syncs. Eager calls skip the op: they launch directly.
+
+
+def _as_angle_rows(table):
+    """Hugging Face's cos or sin [b or 1, s, d2] (with position_ids, a cache [max_positions, d2])
+    as rope_launch_args' tables [s2, b or 1, 1, d2]: a view, rows by position."""
+    if table.dim() == 2:
+        return table[:, None, None, :]
+    return table.transpose(0, 1).unsqueeze(2)
 
 
 def _launch(
@@ -898,15 +912,9 @@ def _launch(
         return
     key = None
     if kernel is rope_kernel:  # eager: the inputs decide (the outputs are new)
-        key = _signature(
-            q,
-            k,
-            v,
-            freqs,
-            k_freqs,
-            cu_seqlens,
-            start_positions,
-            tensor_format,
+        key = (
+            _signature(q, k, v, freqs, k_freqs, cu_seqlens, start_positions),
+            tensor_format,  # the other arguments are checked: their values decide
             interleaved,
             backward,
             cp_size,
@@ -935,6 +943,9 @@ def _launch(
             )
             compiled(*tensors, *args)
             return
+    if tables:  # views made here, once per signature, not on every call
+        freqs = _as_angle_rows(freqs)
+        k_freqs = _as_angle_rows(k_freqs)
     grid, tensors, scalars, constexprs = rope_launch_args(
         q,
         q_out,
@@ -992,7 +1003,8 @@ def _rope_impl(
     x = qkv [.., h, q_width + 2 d] into q [.., h g, d], k and v [.., h, d]; else x, k, v (dq, dk,
     dv) are merged into one [.., h, q_width + 2 d] (no concatenation). tensor_format "bhsd":
     Hugging Face's q and k [b, h, s, d], the outputs with their strides (for views of [b, s, h, d]
-    memory, as transformers' formula returns them)."""
+    memory, as transformers' formula returns them). tables: freqs and k_freqs are Hugging Face's
+    cos and sin as they are, [b or 1, s, d2] (with position_ids, [max_positions, d2])."""
     args = (
         freqs,
         angles_shared,
@@ -1108,30 +1120,34 @@ def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions, c
     return True
 
 
+def _halves_equal(tables, interleaved):
+    """int32 [1]: 1 if in each of the tables every pair's two values are equal."""
+    equal = []
+    for f in tables:
+        if interleaved:
+            f_a = f[..., 0::2]
+            f_b = f[..., 1::2]
+        else:
+            f_a, f_b = f.chunk(2, dim=-1)
+        equal.append((f_a == f_b).all())
+    return torch.stack(equal).all().to(torch.int32).reshape(1)
+
+
+def _read_both_flag(device):
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
 def _angles_shared(tables, interleaved, what="angles shared"):
     """int32 [1]: 1 if in each of the tables (angles; or cos and sin) every pair's two values are
     equal (f_b == f_a, as in a model's table), so that the kernel reads f_a only. No host sync:
     the flag stays on the device; eager calls remember it for the last tables seen. Compiled code
     cannot remember it, nor can a call on inference tensors (no version counter), and a pass over
     the table each call costs more than the kernel's reading both halves: 0 there."""
-
-    def compute():
-        equal = []
-        for f in tables:
-            if interleaved:
-                f_a = f[..., 0::2]
-                f_b = f[..., 1::2]
-            else:
-                f_a, f_b = f.chunk(2, dim=-1)
-            equal.append((f_a == f_b).all())
-        return torch.stack(equal).all().to(torch.int32).reshape(1)
-
-    read_both = functools.partial(torch.zeros, 1, dtype=torch.int32, device=tables[0].device)
     if torch.compiler.is_compiling():
-        return read_both()
-    if any(f.is_inference() for f in tables):  # one flag a device, not an allocation a call
-        return _once(_read_both, tables[0].device, read_both)
-    return _remember(what, tables, (interleaved,), compute)
+        return _read_both_flag(tables[0].device)
+    if any([f.is_inference() for f in tables]):  # one flag a device, not an allocation a call
+        return _once(_read_both, tables[0].device, _read_both_flag, tables[0].device)
+    return _remember(what, tables, (interleaved,), _halves_equal, tables, interleaved)
 
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -1482,7 +1498,9 @@ def apply_fused_qkv_rotary_pos_emb(
 
 
 def _check_hf(q, k, cos, sin, unsqueeze_dim, position_ids):
-    """The checks of hf_apply_rotary_pos_emb that read no values; returns the table's rows."""
+    """The checks of hf_apply_rotary_pos_emb that read no values; returns the table's rows and the
+    dtype in which q and k are rotated (q's, promoted with the tables', as transformers' q * cos
+    promotes)."""
     if type(unsqueeze_dim) is not int or unsqueeze_dim not in (1, 2):
         raise ValueError(
             f"unsqueeze_dim must be 1 ([b, h, s, d]) or 2 ([b, s, h, d]), got {unsqueeze_dim!r} "
@@ -1508,6 +1526,7 @@ def _check_hf(q, k, cos, sin, unsqueeze_dim, position_ids):
         raise ValueError(
             f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
+    dtype = torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
     d2 = cos.shape[-1]
     if d2 % 2 or not 2 <= d2 <= d or d > MAX_HEAD_DIM:
         raise ValueError(
@@ -1520,7 +1539,7 @@ def _check_hf(q, k, cos, sin, unsqueeze_dim, position_ids):
                 f"cos and sin must have shape [{b} or 1, {s}, d2] (batch, sequence), got "
                 f"{tuple(cos.shape)}"
             )
-        return s
+        return s, dtype
     if cos.dim() != 2:
         raise ValueError(
             f"with position_ids, cos and sin must be a cache [max_positions, d2], got "
@@ -1541,7 +1560,7 @@ def _check_hf(q, k, cos, sin, unsqueeze_dim, position_ids):
             f"position_ids must have shape [{b} or 1, {s}] on {q.device}, got "
             f"{tuple(position_ids.shape)} on {position_ids.device}"
         )
-    return cos.shape[0]
+    return cos.shape[0], dtype
 
 
 def _read_position_ids(position_ids, rows):  # a host sync, once per tensor
@@ -1574,14 +1593,14 @@ def _hf_apply(q, k, cos, sin, unsqueeze_dim, position_ids, flag_tables):
     """hf_apply_rotary_pos_emb, with the halves-equal flag of flag_tables (M-RoPE's: the tables
     before recomposing, which a model passes to every layer, so the flag is computed once)."""
     tracing = torch.compiler.is_compiling()
-    check = functools.partial(_check_hf, q, k, cos, sin, unsqueeze_dim, position_ids)
+    args = (q, k, cos, sin, unsqueeze_dim, position_ids)
     if tracing:
-        rows = check()
+        rows, dtype = _check_hf(*args)
     else:
-        rows = _once(_checked, _signature(q, k, cos, sin, unsqueeze_dim, position_ids), check)
+        rows, dtype = _once(_checked, _signature(*args), _check_hf, *args)
         if position_ids is not None:
-            read = functools.partial(_read_position_ids, position_ids, rows)
-            _remember("position ids checked", (position_ids,), (rows,), read)
+            read = _read_position_ids
+            _remember("position ids checked", (position_ids,), (rows,), read, position_ids, rows)
     for table, name in ((cos, "cos"), (sin, "sin")):  # no silent loss of a gradient
         if table.requires_grad and torch.is_grad_enabled():
             raise ValueError(
@@ -1589,19 +1608,13 @@ def _hf_apply(q, k, cos, sin, unsqueeze_dim, position_ids, flag_tables):
                 f"Liger's and TransformerEngine's fused RoPE); pass {name}.detach()"
             )
     shared = _angles_shared(flag_tables, False, "tables shared")  # of the caller's tensors: kept
-    dtype = torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
     if q.dtype != dtype:  # as transformers' q * cos promotes (an fp32 table under autocast)
         q = q.to(dtype)
         k = k.to(dtype)
     if cos.stride() != sin.stride():  # the kernel reads both with cos' strides
         cos = cos.contiguous()
         sin = sin.contiguous()
-    if position_ids is None:  # as [s, b or 1, 1, d2]: positions first, as the kernel's tables
-        cos = cos.transpose(0, 1).unsqueeze(2)
-        sin = sin.transpose(0, 1).unsqueeze(2)
-    else:
-        cos = cos[:, None, None, :]
-        sin = sin[:, None, None, :]
+    if position_ids is not None:
         position_ids = position_ids.expand(q.shape[0], -1)
     tensor_format = "bshd"
     if unsqueeze_dim == 1:

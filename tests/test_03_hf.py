@@ -23,12 +23,15 @@ def hf_reference(q, k, cos, sin, unsqueeze_dim=1):
     return torch.cat((q_embed, q[..., d2:]), -1), torch.cat((k_embed, k[..., d2:]), -1)
 
 
-def check_against_transformers(q, k, cos, sin):
+def check_against_transformers(q, k, cos, sin, position_ids=None):
     """hf_apply_rotary_pos_emb's values and gradients of float32 q and k ([b, h, s, d]) equal
-    transformers' own."""
-    got = rope.hf_apply_rotary_pos_emb(q, k, cos, sin)
+    transformers' own (position_ids: cos and sin are a cache, transformers gets the rows)."""
+    got = rope.hf_apply_rotary_pos_emb(q, k, cos, sin, position_ids=position_ids)
     grads = [torch.randn_like(x) for x in got]
     got = (*got, *torch.autograd.grad(got, (q, k), grads))
+    if position_ids is not None:
+        cos = cos[position_ids]
+        sin = sin[position_ids]
     want = hf_reference(q, k, cos, sin)
     want = (*want, *torch.autograd.grad(want, (q, k), grads))
     for y, ref in zip(got, want):
@@ -136,6 +139,18 @@ def test_position_ids_pick_rows_of_a_cache():
                 torch.autograd.grad(got, (q, k), grads), torch.autograd.grad(want, (q, k), grads)
             )
         )
+
+
+def test_a_signature_called_again_takes_the_remembered_launch():
+    """A signature's second call (on a GPU the compiled kernel straight, with cos and sin passed
+    as they are: their views are made on the first call only) equals transformers': per-row
+    tables, and a cache with position_ids."""
+    q, k, cos, sin = inputs(3, 7, 4, 2, 16, 8, torch.float32, 1, 3)
+    cache = torch.randn(2, 20, 8, device=DEVICE)
+    position_ids = torch.randint(0, 20, (3, 7), device=DEVICE)
+    for _ in range(2):
+        check_against_transformers(q, k, cos, sin)
+        check_against_transformers(q, k, *cache, position_ids)
 
 
 def test_compiles_forward_and_backward():

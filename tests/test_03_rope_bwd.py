@@ -709,7 +709,9 @@ def test_remembered_launch_gets_every_argument_in_order(monkeypatch):
     """On a GPU a signature's later calls skip Triton's launcher: the compiled kernel gets the
     tensors, then the scalars and constexprs remembered from the first call, all in order. Here
     a stand-in for the compiled kernel takes them by position and runs the interpreter by name:
-    q and k, and fused QKV's split and merge, forward and backward, each called twice."""
+    q and k, fused QKV's split and merge, and Hugging Face's entry point with per-row tables
+    (viewed as the kernel's tables on the first call only), forward and backward, each called
+    twice."""
     run = rope.rope_kernel.run
     remembered_launches = []
 
@@ -741,14 +743,28 @@ def test_remembered_launch_gets_every_argument_in_order(monkeypatch):
     k = torch.randn(2, 2, 2, 32, device=DEVICE, requires_grad=True)
     qkv = torch.randn(2, 2, 2, 4 * 32, device=DEVICE, requires_grad=True)  # 2 q heads a group
     split = [64, 32, 32]
+    cos, sin = torch.randn(2, 2, 2, 16, device=DEVICE).unbind(0)  # [b, s, d2]: a table a row
     for _ in range(2):
+        hf_q = q.transpose(1, 2)  # [b, h, s, d]
+        hf_k = k.transpose(1, 2)
+        outs = rope.hf_apply_rotary_pos_emb(hf_q, hf_k, cos, sin)
+        refs = [hf_formula(x, cos, sin) for x in (hf_q, hf_k)]
+        assert_close_with_gradients(outs, refs, (q, k))
         outs = rope.apply_rotary_pos_emb_qk(q, k, freqs, "bshd", start)
         refs = [rope.rope_reference(x, freqs, "bshd", start_positions=start) for x in (q, k)]
         assert_close_with_gradients(outs, refs, (q, k))
         outs = rope.apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs / 2, split, "bshd")
         refs = split_reference(qkv, freqs, freqs / 2, split, tensor_format="bshd")
         assert_close_with_gradients(outs, refs, (qkv,))
-    assert len(rope._launches) == 4 and len(remembered_launches) == 4
+    assert len(rope._launches) == 6 and len(remembered_launches) == 6
+
+
+def hf_formula(x, cos, sin):
+    """transformers' x * cos + rotate_half(x) * sin on the first d2 channels of x [b, h, s, d]."""
+    d2 = cos.shape[-1]
+    first, second = x[..., :d2].chunk(2, dim=-1)
+    rotated = x[..., :d2] * cos[:, None] + torch.cat((-second, first), -1) * sin[:, None]
+    return torch.cat((rotated, x[..., d2:]), -1)
 
 
 def assert_close_with_gradients(outs, refs, inputs):
