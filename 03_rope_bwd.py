@@ -539,11 +539,10 @@ def rope_kernel(
 # One program a token (BLOCK_S = 1) with all its heads, the grid in memory order (thd: the packed
 # tokens); q's heads in about four unrolled steps of BLOCK_H, k's and v's in as many of BLOCK_HK.
 # Many small programs of few warps keep the most bytes in flight per multiprocessor (the sweeps:
-# results/02_rope_fwd_sweep.log, results/03_rope_bwd_sweep.log). TABLES: two steps
-# (results/03_hf_rounds_H200.log). The kernel takes every tensor
-# argument whether it is used or not: its flags (HAS_K, HAS_V, K_FREQS, IS_THD,
-# HAS_START_POSITIONS) say which are real, and a tensor that is passed but never read stands in
-# for each absent one.
+# results/02_rope_fwd_sweep.log, results/03_rope_bwd_sweep.log); with TABLES, two steps
+# (results/03_hf_rounds_H200.log). The kernel takes every tensor argument whether it is used or
+# not: its flags (HAS_K, HAS_V, K_FREQS, IS_THD, HAS_START_POSITIONS) say which are real, and a
+# tensor that is passed but never read stands in for each absent one.
 
 
 def _layout(t, tensor_format):
@@ -1599,8 +1598,14 @@ def _hf_apply(q, k, cos, sin, unsqueeze_dim, position_ids, flag_tables):
     else:
         rows, dtype = _once(_checked, _signature(*args), _check_hf, *args)
         if position_ids is not None:
-            read = _read_position_ids
-            _remember("position ids checked", (position_ids,), (rows,), read, position_ids, rows)
+            _remember(  # a host sync, once per tensor
+                "position ids checked",
+                (position_ids,),
+                (rows,),
+                _read_position_ids,
+                position_ids,
+                rows,
+            )
     for table, name in ((cos, "cos"), (sin, "sin")):  # no silent loss of a gradient
         if table.requires_grad and torch.is_grad_enabled():
             raise ValueError(
