@@ -10,6 +10,9 @@ In this tutorial, you will learn about:
 * why the eager formula moves about 6x the bytes it needs, and a kernel that reads and writes
   each element once, at any strides (a slice of a packed qkv, a transposed view), with 64-bit
   offsets, head dims up to 256 (80 and 96 too), any head count, and q and k (GQA) in one launch;
+* angle tables against Hugging Face's cos and sin tables (per batch row, scaled by an attention
+  factor, or rows of a cache picked by ``position_ids``): what each costs in bytes, and the same
+  kernel reading either;
 * checking values that live on the GPU (``cu_seqlens``) without a host sync on every call, and an
   eager call that costs a few empty ops: checks and the compiled kernel kept per signature of the
   arguments;
@@ -21,7 +24,8 @@ How to read this file. Part 1 is the lesson (about 35 minutes): the math and the
 reference, the memory traffic, the kernel, and ``launch_rope_fwd``, a plain launcher built on
 ``rope_fwd_launch_args``. Part 2 is the drop-in: argument checks, values and launches remembered
 so that an eager call is cheap, the ``torch.library`` op for ``torch.compile``, and the public
-``rope_fwd`` and ``rope_fwd_qk``; skip it on a first read. Part 3 checks the kernel against the
+``rope_fwd`` and ``rope_fwd_qk`` (TransformerEngine's arguments) and ``hf_rope_fwd`` (Hugging
+Face's, for inference); skip it on a first read. Part 3 checks the kernel against the
 reference on irregular shapes and times it against a copy of the same bytes and the usual
 alternatives.
 
@@ -151,7 +155,9 @@ def rope_reference(
 # 32, 128), 2 MiB, or 8 MiB per row, beside 512 MiB of q and k read and written. And a table can
 # carry what an angle cannot: yarn and longrope scale cos and sin by an attention factor (so
 # cos^2 + sin^2 != 1), which a kernel taking angles would have to multiply back in, another pass
-# over q and k. 03's kernel reads such tables as they are for its Hugging Face entry points.
+# over q and k. So the kernel takes either (TABLES: cos and sin read as they are, in their dtype,
+# a table for each batch row or one for all, or rows of a cache that Hugging Face's position_ids
+# pick); 03's kernel adds their backward.
 # The eager formula as TransformerEngine writes it (rope_reference with compute_dtype=None, the
 # benchmark's "eager" column) moves x*cos (N read, N written); R(x), a negated copy of half the
 # channels and then the halves joined (N/2, N/2, then N, N); R(x)*sin (N, N); the sum (2N, N); and
@@ -164,11 +170,12 @@ def rope_reference(
 # The kernel is written for a block of BLOCK_S tokens a program; the launch below gives each
 # program one token (BLOCK_S = 1) and all heads of q and k, BLOCK_H at a time in at most four
 # unrolled steps (any head count). cos and sin, which depend on the position only, are taken
-# once for every head. Each tile is read and written once, in contiguous loads (_load_pairs);
-# pass-through channels (d2 < d) are copied. Offsets come from the strides, in int64 (views,
-# tensors past 2**31 elements). In thd a program's tokens are rows of the packed tensor (batch
-# stride 0), each finding its sequence, and so its position, in cu_seqlens: one kernel for three
-# layouts.
+# once for every head: computed from the angles, or (TABLES) loaded from cos and sin tables, with
+# a row per batch row and position, or the row that position_ids names. Each tile is read and
+# written once, in contiguous loads (_load_pairs); pass-through channels (d2 < d) are copied.
+# Offsets come from the strides, in int64 (views, tensors past 2**31 elements). In thd a
+# program's tokens are rows of the packed tensor (batch stride 0), each finding its sequence, and
+# so its position, in cu_seqlens: one kernel for three layouts (and Hugging Face's [b, h, s, d]).
 
 
 @triton.jit
@@ -240,6 +247,17 @@ def _copy_pass_through(
 
 
 @triton.jit
+def _table_pairs(rows_ptr, offset_a, offset_b, mask, read_b):
+    """A table's values at both channels of each pair of its rows, float32, [BLOCK_S, 1, HALF]
+    each; the second only where the flag says the halves differ (a masked-off load moves no
+    bytes)."""
+    f_a = tl.load(rows_ptr + offset_a, mask=mask, other=0.0).to(tl.float32)
+    f_b = tl.load(rows_ptr + offset_b, mask=mask & read_b, other=0.0).to(tl.float32)
+    f_b = tl.where(read_b, f_b, f_a)
+    return f_a[:, None, :], f_b[:, None, :]
+
+
+@triton.jit
 def _sequence_of(cu_seqlens_ptr, token, n_seqs, WAYS: tl.constexpr):
     """The sequence that holds each packed token: the last i with cu_seqlens[i] <= token (so
     empty sequences are skipped), by a WAYS-ary search. Each step loads WAYS probes at once and
@@ -265,6 +283,7 @@ def rope_fwd_kernel(
     k_ptr,
     k_out_ptr,
     freqs_ptr,
+    sin_ptr,
     angles_shared_ptr,
     cu_seqlens_ptr,
     start_positions_ptr,
@@ -294,6 +313,9 @@ def rope_fwd_kernel(
     stride_kod,
     stride_fs,
     stride_fd,
+    stride_fb,
+    stride_pb,
+    stride_ps,
     BLOCK_S: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HALF: tl.constexpr,
@@ -305,6 +327,8 @@ def rope_fwd_kernel(
     HAS_K: tl.constexpr,
     COPY_PASS: tl.constexpr,
     BATCH_FASTEST: tl.constexpr,
+    TABLES: tl.constexpr,
+    POSITION_IDS: tl.constexpr,
 ):
     # A 1-D grid, numbered so that programs running side by side touch neighbouring memory: in
     # sbhd the batch index moves fastest, in bshd the block of positions does; in thd the programs
@@ -322,27 +346,37 @@ def rope_fwd_kernel(
         s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
         pos = s
     row_mask = s < seqlen
-    if HAS_START_POSITIONS:
+    if POSITION_IDS:  # Hugging Face's position_ids [b, s]: each token's row of the table
+        ids = start_positions_ptr + batch * stride_pb + s * stride_ps
+        pos = tl.load(ids, mask=row_mask, other=0)
+    elif HAS_START_POSITIONS:
         pos = pos + tl.load(start_positions_ptr + batch)
 
-    # The angles of these tokens, turned into cos/sin once for every q and k head. When the table's
-    # halves are equal (the flag), the second half is not loaded: a masked-off load moves no bytes
+    # The angles of these tokens, turned into cos/sin once for every q and k head (TABLES: cos and
+    # sin loaded). When the table's halves are equal (the flag), the second half is not loaded
     # (for rotate-half's table; interleaved pairs share sectors, which move anyway).
     i = tl.arange(0, HALF)
     if INTERLEAVED:
         f_a, f_b = 2 * i, 2 * i + 1
     else:
         f_a, f_b = i, i + rot_dim // 2
-    # No row past the table
-    f_mask = (row_mask & (pos < n_positions))[:, None] & (i < rot_dim // 2)[None, :]
-    f_rows = freqs_ptr + pos.to(tl.int64)[:, None] * stride_fs
-    angle_a = tl.load(f_rows + f_a[None, :] * stride_fd, mask=f_mask, other=0.0)
+    # No row outside the table: such rows read as 0, never memory around it
+    in_table = row_mask & (pos >= 0) & (pos < n_positions)
+    f_mask = in_table[:, None] & (i < rot_dim // 2)[None, :]
+    rows = pos.to(tl.int64) * stride_fs  # each token's row, in 64 bits; within a row, 32
+    if TABLES:  # a table of its own for each batch row, or one for all (stride 0)
+        rows += batch.to(tl.int64) * stride_fb
+    rows = rows[:, None]
+    offset_a = f_a[None, :] * stride_fd
+    offset_b = f_b[None, :] * stride_fd
     read_b = tl.load(angles_shared_ptr + 0 * i)[None, :] == 0  # the flag, one copy per lane
-    angle_b = tl.load(f_rows + f_b[None, :] * stride_fd, mask=f_mask & read_b, other=0.0)
-    angle_b = tl.where(read_b, angle_b, angle_a)[:, None, :]
-    angle_a = angle_a[:, None, :]
-    cos_a, sin_a = tl.cos(angle_a), tl.sin(angle_a)
-    cos_b, sin_b = tl.cos(angle_b), tl.sin(angle_b)
+    if TABLES:
+        cos_a, cos_b = _table_pairs(freqs_ptr + rows, offset_a, offset_b, f_mask, read_b)
+        sin_a, sin_b = _table_pairs(sin_ptr + rows, offset_a, offset_b, f_mask, read_b)
+    else:
+        angle_a, angle_b = _table_pairs(freqs_ptr + rows, offset_a, offset_b, f_mask, read_b)
+        cos_a, sin_a = tl.cos(angle_a), tl.sin(angle_a)
+        cos_b, sin_b = tl.cos(angle_b), tl.sin(angle_b)
 
     # Row offsets in int64, as [BLOCK_S, 1, 1] for the tiles.
     tokens = s.to(tl.int64)[:, None, None]
@@ -438,7 +472,9 @@ def rope_fwd_kernel(
 # of the head count's next power of 2), two warps (four for big tiles): many small programs keep
 # the most bytes in flight per multiprocessor (the sweep of BLOCK_S x BLOCK_H x warps:
 # results/02_rope_fwd_sweep.log). So the grid is batch x seqlen programs, or in thd one program a
-# packed token.
+# packed token. cos and sin tables, loaded rather than computed, take the heads in two steps, with
+# two warps up to 64 rotated channels: 03's kernel, which does the same work, measured that launch
+# on the same tables (results/03_hf_rounds_H200.log).
 #
 # Why thd walks the packed tokens. A grid of (sequence, position up to the longest sequence) is
 # the obvious one, but it is sized by the longest sequence: with one sequence of 32,768 tokens
@@ -453,15 +489,26 @@ def rope_fwd_kernel(
 
 def _layout(t, tensor_format):
     """t's (batch, seqlen, heads, head_dim) and its strides in that order; thd: batch None, batch
-    stride 0 (a sequence's rows are found through cu_seqlens)."""
+    stride 0 (a sequence's rows are found through cu_seqlens). "bhsd": Hugging Face's [b, h, s,
+    d]."""
     if tensor_format == "thd":
         return (None, *t.shape), (0, *t.stride())
-    order = (1, 0, 2, 3) if tensor_format == "sbhd" else (0, 1, 2, 3)
+    order = {"sbhd": (1, 0, 2, 3), "bhsd": (0, 2, 1, 3)}.get(tensor_format, (0, 1, 2, 3))
     return tuple(t.shape[i] for i in order), tuple(t.stride(i) for i in order)
 
 
 def _pow2(n):  # plain Python: triton.next_power_of_2 is slow on the host in Triton 3.9
     return 1 << (n - 1).bit_length()
+
+
+def rope_fwd_tensors(q, q_out, k, k_out, freqs, sin, angles_shared, cu_seqlens, start_positions):
+    """rope_fwd_kernel's nine tensor arguments in its order, a stand-in for each absent (None)
+    one, never read (its flag says so): q and q_out for k and k_out, freqs for the rest."""
+    if k is None:
+        k = q
+        k_out = q_out
+    tensors = (q, q_out, k, k_out, freqs, sin, angles_shared, cu_seqlens, start_positions)
+    return tuple([freqs if x is None else x for x in tensors])
 
 
 def rope_fwd_launch_args(
@@ -475,30 +522,41 @@ def rope_fwd_launch_args(
     start_positions,
     tensor_format,
     interleaved,
+    sin=None,
 ):
     """rope_fwd_kernel's launch as (grid, tensors, scalars, constexprs), for
     ``rope_fwd_kernel[grid](*tensors, *scalars, **constexprs)``: RoPE(q) into q_out and RoPE(k)
     into k_out. k, cu_seqlens and start_positions may be None; angles_shared: int32 [1], 1 if the
-    table's halves are equal."""
-    has_k = k is not None
-    if not has_k:  # q and q_out stand in: never read (HAS_K)
-        k = q
-        k_out = q_out
-    tensors = (q, q_out, k, k_out, freqs, angles_shared, cu_seqlens, start_positions)
-    tensors = tuple(freqs if x is None else x for x in tensors)  # freqs stands in: never read
-    (batch, seqlen, _, head_dim), q_strides = _layout(q, tensor_format)
+    table's halves are equal. With sin (TABLES), freqs is cos: tables [s2, b or 1, 1, d2] of one
+    layout, and a 2-D start_positions is position_ids [b, s]."""
+    tensors = rope_fwd_tensors(
+        q, q_out, k, k_out, freqs, sin, angles_shared, cu_seqlens, start_positions
+    )
+    (batch, seqlen, n_q_heads, head_dim), q_strides = _layout(q, tensor_format)
+    n_k_heads = _layout(tensors[2], tensor_format)[0][2]
     rot_dim = freqs.shape[3]
-    n_q_heads = q.shape[-2]
-    n_k_heads = k.shape[-2]
     BLOCK_S = 1
     n_seq_blocks = triton.cdiv(seqlen, BLOCK_S)
-    BLOCK_H = max(1, _pow2(max(n_q_heads, n_k_heads)) // 4)  # the heads in at most four steps
+    steps = 4  # the heads in at most four steps
+    if sin is not None:  # cos and sin loaded, not computed: fewer instructions a byte, two steps
+        steps = 2
+    BLOCK_H = max(1, _pow2(max(n_q_heads, n_k_heads)) // steps)
     HALF = _pow2(rot_dim // 2)
     if tensor_format == "thd":  # seqlen: the packed tokens, each program finds its sequence
         batch = cu_seqlens.numel() - 1
         grid = (n_seq_blocks,)
     else:
         grid = (batch * n_seq_blocks,)
+    table_batch_stride = 0  # one table for every batch row
+    if freqs.shape[1] > 1:  # a table of each batch row's
+        table_batch_stride = freqs.stride(1)
+    position_strides = (0, 0)
+    position_ids = start_positions is not None and start_positions.dim() == 2
+    if position_ids:
+        position_strides = start_positions.stride()
+    num_warps = 4 if BLOCK_H * HALF > 128 else 2  # big tiles: four
+    if sin is not None and HALF < 64:  # tables of up to 64 rotated channels: two
+        num_warps = 2
     scalars = (
         batch,
         n_seq_blocks,
@@ -510,10 +568,12 @@ def rope_fwd_launch_args(
         freqs.shape[0],  # n_positions: rows of the table
         *q_strides,
         *_layout(q_out, tensor_format)[1],
-        *_layout(k, tensor_format)[1],
-        *_layout(k_out, tensor_format)[1],
+        *_layout(tensors[2], tensor_format)[1],
+        *_layout(tensors[3], tensor_format)[1],
         freqs.stride(0),
         freqs.stride(3),
+        table_batch_stride,
+        *position_strides,
     )
     constexprs = dict(
         BLOCK_S=BLOCK_S,
@@ -524,22 +584,33 @@ def rope_fwd_launch_args(
         INTERLEAVED=interleaved,
         IS_THD=tensor_format == "thd",
         HAS_START_POSITIONS=start_positions is not None,
-        HAS_K=has_k,
+        HAS_K=k is not None,
         COPY_PASS=rot_dim < head_dim,
         BATCH_FASTEST=tensor_format == "sbhd",
-        num_warps=2 if BLOCK_H * HALF <= 128 else 4,  # a launch option, not a kernel argument
+        TABLES=sin is not None,
+        POSITION_IDS=position_ids,
+        num_warps=num_warps,  # a launch option, not a kernel argument
     )
     return grid, tensors, scalars, constexprs
 
 
 def launch_rope_fwd(
-    q, k, freqs, tensor_format="sbhd", interleaved=False, cu_seqlens=None, start_positions=None
+    q,
+    k,
+    freqs,
+    tensor_format="sbhd",
+    interleaved=False,
+    cu_seqlens=None,
+    start_positions=None,
+    sin=None,
 ):
     """RoPE of q and k (k may be None) in one launch, into new contiguous tensors. q, k: [s, b, h,
-    d] | [b, s, h, d] | [total_tokens, h, d] as tensor_format says; freqs: float32 angles [s2, 1, 1,
-    d2]; cu_seqlens: int32 [b + 1] (thd); start_positions: int [b]; unchecked (Part 2 checks).
-    Returns (q_out, k_out). It reads both angles of every pair (right
-    for any table); Part 2 tells the kernel when the halves are equal, so that it reads one."""
+    d] | [b, s, h, d] | [total_tokens, h, d] | [b, h, s, d] as tensor_format says ("bhsd": Hugging
+    Face's); freqs: float32 angles [s2, 1, 1, d2], or with sin, cos: tables [s2, b or 1, 1, d2];
+    cu_seqlens: int32 [b + 1] (thd); start_positions: int [b], or position_ids [b, s] with
+    tables; unchecked (Part 2 checks). Returns (q_out, k_out). It reads both values of every pair
+    (right for any table); Part 2 tells the kernel when the halves are equal, so that it reads
+    one."""
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     k_out = None
     if k is not None:
@@ -556,14 +627,16 @@ def launch_rope_fwd(
         start_positions,
         tensor_format,
         interleaved,
+        sin,
     )
     rope_fwd_kernel[grid](*tensors, *scalars, **constexprs)
     return q_out, k_out
 
 
 # %% Part 2 - the drop-in
-# Part 1's kernel as the public rope_fwd and rope_fwd_qk. Each piece, and what it buys (the host
-# cost of an eager call: results/host_cost.py, measured on results/compare_H100.md):
+# Part 1's kernel as the public rope_fwd and rope_fwd_qk (TransformerEngine's angle tables) and
+# hf_rope_fwd (Hugging Face's cos and sin tables, for inference). Each piece, and what it buys
+# (the host cost of an eager call: results/host_cost.py, measured on results/compare_H100.md):
 # - argument checks, once per call signature: a bad argument fails with a message naming it, never
 #   inside the kernel or as a wrong result, and a good one is not checked again;
 # - values read once per tensor: cu_seqlens and start_positions cost a host sync to check; q, k
@@ -571,7 +644,7 @@ def launch_rope_fwd(
 #   identity and version counter, which in-place writes bump; so is the table's "halves equal"
 #   flag, computed on the device (compiled code, which cannot keep it, passes 0: both halves read);
 # - the launch cache around rope_fwd_launch_args: Triton's ``kernel[grid](...)`` binds and
-#   specializes its 45 arguments on every call, yet all of it depends on the signature only (the
+#   specializes its 51 arguments on every call, yet all of it depends on the signature only (the
 #   tensors' shapes, strides, dtypes, devices and 16-byte alignment, on which Triton specializes
 #   pointers); a signature's later calls go straight to the compiled kernel;
 # - a torch.library.custom_op that writes its outputs (mutates_args): one opaque node for
@@ -649,26 +722,31 @@ def _read_values(cu_seqlens, start_positions, seqlen, n_tokens, max_positions):
         )
 
 
-def _halves_equal(freqs, interleaved):
-    if interleaved:
-        f_a, f_b = freqs[..., 0::2], freqs[..., 1::2]
-    else:
-        f_a, f_b = freqs.chunk(2, dim=-1)
-    return (f_a == f_b).all().to(torch.int32).reshape(1)
+def _halves_equal(tables, interleaved):
+    equal = []
+    for f in tables:
+        if interleaved:
+            f_a, f_b = f[..., 0::2], f[..., 1::2]
+        else:
+            f_a, f_b = f.chunk(2, dim=-1)
+        equal.append((f_a == f_b).all())
+    return torch.stack(equal).all().to(torch.int32).reshape(1)
 
 
-def _angles_shared(freqs, interleaved):
-    """int32 [1], computed on the device: 1 if f_b == f_a everywhere (the kernel then reads half
-    the table); remembered per table in eager mode. Compiled code cannot remember it, nor can a
-    call on an inference tensor (no version counter), and a pass over the table each call costs
-    more than the kernel's reading both halves: 0 there."""
-    read_both = functools.partial(torch.zeros, 1, dtype=torch.int32, device=freqs.device)
+def _angles_shared(tables, interleaved, what="angles shared"):
+    """int32 [1], computed on the device: 1 if f_b == f_a everywhere in each of the tables (the
+    angles; or cos and sin): the kernel then reads half of each; remembered per tables in eager
+    mode. Compiled code cannot remember it, nor can a call on inference tensors (no version
+    counter), and a pass over the tables each call costs more than the kernel's reading both
+    halves: 0 there."""
+    device = tables[0].device
+    read_both = functools.partial(torch.zeros, 1, dtype=torch.int32, device=device)
     if torch.compiler.is_compiling():
         return read_both()
-    if freqs.is_inference():  # one flag a device, not an allocation a call
-        return _once(_read_both, freqs.device, read_both)
-    compute = functools.partial(_halves_equal, freqs, interleaved)
-    return _remember("angles shared", (freqs,), (interleaved,), compute)
+    if any([f.is_inference() for f in tables]):  # one flag a device, not an allocation a call
+        return _once(_read_both, device, read_both)
+    compute = functools.partial(_halves_equal, tables, interleaved)
+    return _remember(what, tables, (interleaved,), compute)
 
 
 def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions):
@@ -744,21 +822,56 @@ def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions):
     return seqlen
 
 
-def _launch_cached(key, q, q_out, k, k_out, *args):
-    """rope_fwd_launch_args' launch (the same arguments), remembered by key: a key's first call
-    goes through Triton, later ones straight to the compiled kernel with the remembered scalars
-    and constexprs (in the interpreter, always through Triton)."""
+def _as_angle_rows(table):
+    """Hugging Face's cos or sin [b or 1, s, d2] (with position_ids, a cache [max_positions, d2])
+    as rope_fwd_launch_args' tables [s2, b or 1, 1, d2]: a view, rows by position."""
+    if table.dim() == 2:
+        return table[:, None, None, :]
+    return table.transpose(0, 1).unsqueeze(2)
+
+
+def _launch_cached(
+    key,
+    q,
+    q_out,
+    k,
+    k_out,
+    freqs,
+    angles_shared,
+    cu_seqlens,
+    start_positions,
+    tensor_format,
+    interleaved,
+    sin,
+):
+    """rope_fwd_launch_args' launch (the same arguments; with sin, freqs and sin are Hugging
+    Face's cos and sin as they are), remembered by key: a key's first call goes through Triton,
+    later ones straight to the compiled kernel with the remembered scalars and constexprs (in the
+    interpreter, always through Triton)."""
     launch = _launches.get(key)
-    if launch is not None:
+    if launch is not None:  # the tables as they are: the kernel takes only their addresses
         compiled, scalars = launch
-        if k is None:
-            k = q
-            k_out = q_out
-        freqs, angles_shared, cu_seqlens, start_positions = args[:4]
-        tensors = (q, q_out, k, k_out, freqs, angles_shared, cu_seqlens, start_positions)
-        compiled(*[freqs if x is None else x for x in tensors], *scalars)
+        tensors = rope_fwd_tensors(
+            q, q_out, k, k_out, freqs, sin, angles_shared, cu_seqlens, start_positions
+        )
+        compiled(*tensors, *scalars)
         return
-    grid, tensors, scalars, constexprs = rope_fwd_launch_args(q, q_out, k, k_out, *args)
+    if sin is not None:  # views made here, once per signature, not on every call
+        freqs = _as_angle_rows(freqs)
+        sin = _as_angle_rows(sin)
+    grid, tensors, scalars, constexprs = rope_fwd_launch_args(
+        q,
+        q_out,
+        k,
+        k_out,
+        freqs,
+        angles_shared,
+        cu_seqlens,
+        start_positions,
+        tensor_format,
+        interleaved,
+        sin,
+    )
     compiled = rope_fwd_kernel[grid](*tensors, *scalars, **constexprs)
     if isinstance(compiled, triton.compiler.CompiledKernel):
 
@@ -781,11 +894,13 @@ def _launch(
     start_positions: Optional[torch.Tensor],
     tensor_format: str,
     interleaved: bool,
+    sin: Optional[torch.Tensor],
 ) -> None:
-    """Write RoPE(q) into q_out (and RoPE(k) into k_out): the op's body."""
+    """Write RoPE(q) into q_out (and RoPE(k) into k_out): the op's body. sin: freqs and sin are
+    Hugging Face's cos and sin."""
     args = (q, q_out, k, k_out, freqs, angles_shared, cu_seqlens, start_positions)
-    key = (*_signature(*args), tensor_format, interleaved)
-    _launch_cached(key, *args, tensor_format, interleaved)
+    key = (*_signature(*args, sin), tensor_format, interleaved)
+    _launch_cached(key, *args, tensor_format, interleaved, sin)
 
 
 def _register():
@@ -808,6 +923,26 @@ def _register():
 _rope_op = _register()
 
 
+def _refuse_gradients(tensors, names, differentiable):
+    """02 has no backward: no output could carry an input's gradient, so an input that requires
+    grad where autograd records is refused (not its training stopped silently)."""
+    for x, name in zip(tensors, names):
+        if x.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                f"{name} requires grad, but 02 has no backward: use 03's {differentiable}, or "
+                "no_grad"
+            )
+
+
+def _launch_op(key, *args):
+    """The launch into the outputs: the op where torch.compile traces; else the eager launch,
+    past the op's dispatch, keyed by the checks' key (the signature decides both)."""
+    if torch.compiler.is_compiling():
+        _rope_op(*args)
+    else:
+        _launch_cached(key, *args)
+
+
 def _rope(tensors, freqs, tensor_format, interleaved, cu_seqlens, start_positions):
     """rope_fwd and rope_fwd_qk: checks (once per signature, values once per tensor), outputs,
     one launch."""
@@ -816,17 +951,13 @@ def _rope(tensors, freqs, tensor_format, interleaved, cu_seqlens, start_position
     check = functools.partial(
         _check, tensors, names, freqs, tensor_format, cu_seqlens, start_positions
     )
+    key = None  # traced: no launch is remembered
     if tracing:
         seqlen = check()
     else:
         key = _signature(*tensors, freqs, cu_seqlens, start_positions, tensor_format)
         seqlen = _once(_checked, key, check)
-    for x, name in zip(tensors, names):
-        if x.requires_grad and torch.is_grad_enabled():  # no output could carry its gradient
-            raise ValueError(
-                f"{name} requires grad, but 02 has no backward: use 03's apply_rotary_pos_emb, "
-                "or no_grad"
-            )
+    _refuse_gradients(tensors, names, "apply_rotary_pos_emb")
     t = tensors[0]
     k = tensors[1] if len(tensors) == 2 else None
     if not tracing and (cu_seqlens is not None or start_positions is not None):
@@ -838,12 +969,9 @@ def _rope(tensors, freqs, tensor_format, interleaved, cu_seqlens, start_position
     if all(x.numel() == 0 for x in tensors):
         return outs
     k_out = outs[1] if k is not None else None
-    args = (t, outs[0], k, k_out, freqs, _angles_shared(freqs, interleaved), cu_seqlens)
-    args += (start_positions,)
-    if tracing:
-        _rope_op(*args, tensor_format, interleaved)
-    else:  # the eager launch, past the op's dispatch; the checks' key, known, keys it too
-        _launch_cached((key, interleaved), *args, tensor_format, interleaved)
+    flag = _angles_shared((freqs,), interleaved)
+    args = (t, outs[0], k, k_out, freqs, flag, cu_seqlens, start_positions)
+    _launch_op((key, interleaved), *args, tensor_format, interleaved, None)
     return outs
 
 
@@ -876,6 +1004,146 @@ def rope_fwd_qk(
     return tuple(_rope([q, k], freqs, tensor_format, interleaved, cu_seqlens, start_positions))
 
 
+# %%
+# Hugging Face's tables
+# ---------------------
+# transformers' attention calls apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1) with the
+# tables that the model's rotary module built: [b or 1, s, d2] in the model's dtype, scaled by the
+# RoPE type's attention factor (yarn, longrope). hf_rope_fwd takes the same arguments, for
+# inference: the kernel reads the tables as they are (TABLES) and computes in float32, rounding
+# once, so in bf16 its results are about one bf16 ulp from transformers' own, which multiplies in
+# bf16. position_ids picks rows of a [max_positions, d2] cache instead (decoding, packing). 03's
+# hf_apply_rotary_pos_emb adds the backward.
+
+
+def _check_hf(q, k, cos, sin, unsqueeze_dim, position_ids):
+    """The checks of hf_rope_fwd that read no values; returns the rows of cos and sin and the
+    results' dtype (q's promoted with the tables', as transformers' q * cos promotes)."""
+    if type(unsqueeze_dim) is not int or unsqueeze_dim not in (1, 2):
+        raise ValueError(
+            f"unsqueeze_dim must be 1 ([b, h, s, d]) or 2 ([b, s, h, d]), got {unsqueeze_dim!r} "
+            "(position_ids is keyword-only)"
+        )
+    float_dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+    for x, name in zip((q, k, cos, sin), ("q", "k", "cos", "sin")):
+        if getattr(x, "dtype", None) not in float_dtypes:
+            raise TypeError(
+                f"{name} must be a float32, float16, bfloat16 or float64 torch.Tensor, got "
+                f"{getattr(x, 'dtype', type(x).__name__)}"
+            )
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+    if q.dim() != 4 or k.dim() != 4 or q.dtype != k.dtype:
+        raise ValueError(
+            f"q and k must be 4-D of one dtype, got {tuple(q.shape)} {q.dtype} and "
+            f"{tuple(k.shape)} {k.dtype}"
+        )
+    b, s, d = q.shape[0], q.shape[3 - unsqueeze_dim], q.shape[3]
+    if (k.shape[0], k.shape[3 - unsqueeze_dim], k.shape[3]) != (b, s, d):
+        raise ValueError(f"k {tuple(k.shape)} must match q {tuple(q.shape)} in every dim but heads")
+    if cos.shape != sin.shape:
+        raise ValueError(
+            f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    dtype = torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
+    if dtype == torch.float64:
+        raise TypeError(
+            "q, k, cos and sin must promote to float32, float16 or bfloat16 (the results' "
+            "dtype; 02 computes no float64), got float64"
+        )
+    rows = s
+    if position_ids is None and (cos.dim() != 3 or cos.shape[0] not in (1, b) or cos.shape[1] != s):
+        raise ValueError(
+            f"cos and sin must have shape [{b} or 1, {s}, d2] (batch, sequence), got "
+            f"{tuple(cos.shape)}"
+        )
+    if position_ids is not None:
+        if cos.dim() != 2:
+            raise ValueError(
+                f"with position_ids, cos and sin must be a cache [max_positions, d2], got "
+                f"{tuple(cos.shape)}"
+            )
+        rows = cos.shape[0]
+        int_types = (torch.int32, torch.int64)
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in int_types:
+            raise TypeError("position_ids must be an int32 or int64 tensor")
+        if (
+            position_ids.device != q.device
+            or position_ids.dim() != 2
+            or position_ids.shape[0] not in (1, b)
+            or position_ids.shape[1] != s
+        ):
+            raise ValueError(
+                f"position_ids must have shape [{b} or 1, {s}] on {q.device}, got "
+                f"{tuple(position_ids.shape)} on {position_ids.device}"
+            )
+    d2 = cos.shape[-1]
+    if d2 % 2 or not 2 <= d2 <= d or d > MAX_HEAD_DIM:
+        raise ValueError(
+            f"cos' last dim {d2} must be even and between 2 and q's head dim {d} (at most "
+            f"{MAX_HEAD_DIM})"
+        )
+    return rows, dtype
+
+
+def _read_position_ids(position_ids, rows):  # a host sync, once per tensor
+    if position_ids.numel() == 0:
+        return
+    low, high = position_ids.aminmax()
+    if low < 0 or high >= rows:
+        raise ValueError(
+            f"position_ids must be in [0, {rows}) (the rows of cos and sin), got {int(low)} to "
+            f"{int(high)}"
+        )
+
+
+def hf_rope_fwd(q, k, cos, sin, unsqueeze_dim=1, *, position_ids=None):
+    """transformers' ``apply_rotary_pos_emb`` forward, for inference: ``q * cos + rotate_half(q)
+    * sin`` on the first d2 channels (the rest pass through), q and k in one launch. Returns
+    (q_embed, k_embed), new tensors with q's and k's shapes and strides.
+
+    q, k: [b, h, s, d] (unsqueeze_dim=1; often transposed views of [b, s, h, d] memory, read
+        through their strides) or [b, s, h, d] (unsqueeze_dim=2); k may have fewer heads.
+    cos, sin: [b or 1, s, d2], any float dtype, as the model's rotary module returns them
+        (scaled by its attention factor); or, with position_ids, a cache [max_positions, d2].
+    position_ids: int [b or 1, s], keyword only (an extension): token (i, j) uses row
+        position_ids[i, j] of cos and sin.
+    No backward: an input that requires grad is refused outside no_grad (03's
+    hf_apply_rotary_pos_emb takes the same arguments, with gradients). Works under
+    torch.compile(fullgraph=True).
+    """
+    args = (q, k, cos, sin, unsqueeze_dim, position_ids)
+    key = None  # traced: no launch is remembered
+    if torch.compiler.is_compiling():
+        rows, dtype = _check_hf(*args)
+    else:
+        key = _signature(*args)
+        rows, dtype = _once(_checked, key, functools.partial(_check_hf, *args))
+        if position_ids is not None:
+            read = functools.partial(_read_position_ids, position_ids, rows)
+            _remember("position ids checked", (position_ids,), (rows,), read)
+    _refuse_gradients((q, k, cos, sin), ("q", "k", "cos", "sin"), "hf_apply_rotary_pos_emb")
+    # The flag of the caller's tables, which every layer shares (a copy below has their values)
+    flag = _angles_shared((cos, sin), False, "tables shared")
+    if q.dtype != dtype:  # as transformers' q * cos promotes (an fp32 table under autocast)
+        q = q.to(dtype)
+        k = k.to(dtype)
+    if cos.stride() != sin.stride():  # the kernel reads both with cos' strides
+        cos = cos.contiguous()
+        sin = sin.contiguous()
+    if position_ids is not None:
+        position_ids = position_ids.expand(q.shape[0], -1)
+    tensor_format = "bshd"
+    if unsqueeze_dim == 1:
+        tensor_format = "bhsd"
+    q_out = torch.empty_like(q)  # q's strides, as transformers' formula keeps them
+    k_out = torch.empty_like(k)
+    if q.numel() == 0 and k.numel() == 0:
+        return q_out, k_out
+    _launch_op(key, q, q_out, k, k_out, cos, flag, None, position_ids, tensor_format, False, sin)
+    return q_out, k_out
+
+
 # %% Part 3 - check and benchmark
 # The self-check runs irregular shapes (odd sequence lengths and head counts, head dim 80, partial
 # rotary), random angles whose halves differ, strided views and GQA: every feature at once
@@ -901,9 +1169,24 @@ def self_check():
             kwargs["cu_seqlens"] = cu_seqlens
         for x, y in zip((q, k), rope_fwd_qk(q, k, freqs, **kwargs)):
             torch.testing.assert_close(y, rope_reference(x, freqs, **kwargs))
+    for dtype in dtypes:  # Hugging Face's: per-row tables scaled by an attention factor, a cache
+        q = torch.randn(b, s, h, d, device=DEVICE, dtype=dtype).transpose(1, 2)  # [b, h, s, d]
+        k = q[:, :2]
+        angles = torch.randn(b, s, 24, device=DEVICE).repeat(1, 1, 2)  # halves equal
+        cos = (1.3 * angles.cos()).to(dtype)
+        sin = (1.3 * angles.sin()).to(dtype)
+        ids = torch.randint(0, s, (1, s), device=DEVICE)
+        for tables, position_ids in (((cos, sin), None), ((cos[0], sin[0]), ids)):
+            got = hf_rope_fwd(q, k, *tables, position_ids=position_ids)
+            rows = tables
+            if position_ids is not None:
+                rows = (tables[0][position_ids], tables[1][position_ids])
+            want = _hf_formula(*[x.float() for x in (q, k, *rows)])  # float32, rounded once
+            torch.testing.assert_close(got, tuple(y.to(dtype) for y in want))
     print(
         f"self-check passed: fp32/bf16 x sbhd/bshd/thd x half/interleaved, d={d}, d2=48, GQA, "
-        f"strided views, start_positions (device: {DEVICE.type})"
+        f"strided views, start_positions; Hugging Face's tables and position_ids (device: "
+        f"{DEVICE.type})"
     )
 
 
@@ -914,13 +1197,23 @@ PACKINGS = {  # thd, about 65K tokens of 8 heads of 128 channels: the sequences'
     "1023 x 32 + 1 x 32768": [32] * 1023 + [32768],
     "4000 x 1-32": torch.randint(1, 33, (4000,), generator=torch.Generator().manual_seed(0)),
 }
+HF_SHAPES = [  # (b, s, h, d, k heads): 03's Hugging Face shapes
+    (4, 4096, 32, 128, 32),
+    (4, 4096, 32, 128, 8),
+    (32, 512, 12, 64, 12),
+    (1, 32768, 8, 128, 8),
+    (8, 2048, 32, 80, 32),
+]
 TIMED = (
     "bf16 q and k; packed: thd, the sequences' lengths shown, 8 heads, head dim 128. Each cell is "
     "GPU time, the median of `triton.testing.do_bench_cudagraph` (work replayed from a CUDA "
     'graph), except "ours: eager call": the median of `triton.testing.do_bench` over ten calls '
     "in a row, per call, host cost included. eager, torch.compile: TransformerEngine's unfused "
     "formula. (x%): the speed as a fraction of a device-to-device copy of the same bytes, in the "
-    "same run. n/a: a peer not importable, or not for this layout."
+    "same run. n/a: a peer not importable, or not for this layout. The second table: Hugging "
+    "Face's entry point, `hf_rope_fwd`, on q and k [b, h, s, d] views of [b, s, h, d] memory "
+    "with cos and sin bf16 [1, s, d] (their bytes not counted); transformers: its formula; "
+    "liger: Liger-Kernel's rope_forward."
 )
 
 
@@ -944,6 +1237,22 @@ def time_us(fn, eager_call=False):
 
 def _eager(q, k, freqs, **kwargs):  # TransformerEngine's unfused formula
     return [rope_reference(x, freqs, compute_dtype=None, **kwargs) for x in (q, k)]
+
+
+def _hf_formula(q, k, cos, sin):
+    """transformers' apply_rotary_pos_emb as models run it ([b, h, s, d], in q's dtype); d2 < d:
+    the other channels pass through, as partial-rotary models split them."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    d2 = cos.shape[-1]
+    outs = []
+    for x in (q, k):
+        x_a, x_b = x[..., :d2].chunk(2, dim=-1)
+        y = x[..., :d2] * cos + torch.cat((-x_b, x_a), dim=-1) * sin
+        if d2 < x.shape[-1]:
+            y = torch.cat((y, x[..., d2:]), dim=-1)
+        outs.append(y)
+    return outs
 
 
 def _import_peer(module, name):
@@ -1000,14 +1309,40 @@ def _rows(on_gpu):
         yield f"packed: {packing}", "thd", qk, freqs, cu_seqlens
 
 
+def _cells(calls, names, on_gpu):
+    """A row's cells, in the order of names: us per call and, on a GPU, (x%) the copy's time over
+    the cell's; n/a where a name has no call."""
+    us = {name: time_us(call, "eager call" in name) for name, call in calls.items()}
+    cells = []
+    for name in names:
+        cell = "n/a"
+        if name in us:
+            cell = f"{us[name]:.1f} us"
+        if name in us and on_gpu:
+            cell += f" ({100 * us['copy'] / us[name]:.0f}%)"
+        cells.append(cell)
+    return cells
+
+
+def _header(names):  # a Markdown table's first two lines
+    return [f"| {' | '.join(names)} |", "|---" * len(names) + "|"]
+
+
 def benchmark():
-    """Prints each row as measured; returns the table's lines."""
+    """Prints each row as measured; returns the tables' lines."""
     on_gpu = DEVICE.type == "cuda"
     columns = {"ours": rope_fwd_qk, "ours: eager call": rope_fwd_qk, "eager": _eager}
+    hf_columns = {"ours": hf_rope_fwd, "ours: eager call": hf_rope_fwd, "transformers": _hf_formula}
+    liger = None
     if on_gpu:  # compiled per shape and layout (dynamic=False: no dynamic-shape kernels)
         torch._dynamo.config.cache_size_limit = 64
         columns["ours: torch.compile"] = torch.compile(rope_fwd_qk, fullgraph=True, dynamic=False)
         columns["torch.compile"] = torch.compile(_eager, fullgraph=True, dynamic=False)
+        hf_columns["ours: torch.compile"] = torch.compile(
+            hf_rope_fwd, fullgraph=True, dynamic=False
+        )
+        compiled_formula = torch.compile(_hf_formula, fullgraph=True, dynamic=False)
+        hf_columns["transformers: torch.compile"] = compiled_formula
         liger = _import_peer("liger_kernel.ops.rope", "rope_forward")
         flash = _import_peer("flash_attn.ops.triton.rotary", "apply_rotary")
     else:
@@ -1016,8 +1351,7 @@ def benchmark():
             "only show that the benchmark runs; they say nothing about speed."
         )
     names = ["copy", *columns, "liger (in place)", "flash-attn"]
-    header = f"| shape (b, s, h, d) | layout | {' | '.join(names)} |"
-    table = [header, "|---" * (len(names) + 2) + "|"]
+    table = _header(["shape (b, s, h, d)", "layout", *names])
     print(*table, sep="\n")
     for shape, fmt, qk, freqs, cu_seqlens in _rows(on_gpu):
         q, k = qk
@@ -1027,16 +1361,26 @@ def benchmark():
             calls[name] = functools.partial(fn, q, k, freqs, **kwargs)
         if on_gpu:
             calls.update(_peers(fmt, q, k, freqs, cu_seqlens, liger, flash))
-        us = {name: time_us(call, name == "ours: eager call") for name, call in calls.items()}
-        cells = [f"{us[name]:.1f} us" if name in us else "n/a" for name in names]
-        if on_gpu:  # the fraction of the copy's speed
-            cells = [
-                f"{cell} ({100 * us['copy'] / us[name]:.0f}%)" if name in us else cell
-                for cell, name in zip(cells, names)
-            ]
-        table.append(f"| {shape} | {fmt} | " + " | ".join(cells) + " |")
+        table.append(f"| {shape} | {fmt} | {' | '.join(_cells(calls, names, on_gpu))} |")
         print(table[-1], flush=True)
-    return table
+    if liger is not None:
+        hf_columns["liger (in place)"] = liger
+    hf_table = _header(["shape (b, s, h, d, k heads)", "copy", *hf_columns])
+    print("", *hf_table, sep="\n")
+    randn = functools.partial(torch.randn, device=DEVICE, dtype=torch.bfloat16)
+    for b, s, h, d, h_k in HF_SHAPES if on_gpu else [(2, 8, 4, 64, 2)]:
+        q = randn(b, s, h, d).transpose(1, 2)  # [b, h, s, d] views, as models make them
+        k = randn(b, s, h_k, d).transpose(1, 2)
+        angles = rope_freqs(s, d, device=DEVICE)[None, :, 0, 0]
+        args = (q, k, angles.cos().bfloat16(), angles.sin().bfloat16())
+        src = torch.cat([q.flatten(), k.flatten()])  # the bytes that move
+        calls = {"copy": functools.partial(torch.empty_like(src).copy_, src)}
+        for name, fn in hf_columns.items():
+            calls[name] = functools.partial(fn, *args)
+        cells = _cells(calls, list(calls), on_gpu)
+        hf_table.append(f"| {(b, s, h, d, h_k)} | {' | '.join(cells)} |")
+        print(hf_table[-1], flush=True)
+    return [*table, "", *hf_table]
 
 
 def write_page(results_dir, table):

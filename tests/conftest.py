@@ -6,12 +6,14 @@ same tests run on larger sizes.
 """
 
 import contextlib
+import importlib
 import importlib.util
 import itertools
 import os
 import pathlib
 import sys
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -108,3 +110,103 @@ THD_PACKINGS = {  # thd sequence lengths: the edges of cu_seqlens (02's and 03's
     "short ones and one far longer": [1, 1, 1, LONGER, 1, 1],
     "one sequence": [17],
 }
+
+
+# Hugging Face's entry points (02's hf_rope_fwd, 03's hf_apply_rotary_pos_emb): transformers'
+# function as the reference, inputs as models make them, tiny random models. The interpreter's
+# bf16 arithmetic is wrong: bf16 runs on a GPU only.
+HF_DTYPES = [torch.float32, torch.float16] + [torch.bfloat16] * ON_GPU
+
+
+def hf_reference(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' apply_rotary_pos_emb on the first d2 channels, the rest passed through."""
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    d2 = cos.shape[-1]
+    q_embed, k_embed = llama.apply_rotary_pos_emb(q[..., :d2], k[..., :d2], cos, sin, unsqueeze_dim)
+    return torch.cat((q_embed, q[..., d2:]), -1), torch.cat((k_embed, k[..., d2:]), -1)
+
+
+def hf_inputs(b, s, h, h_k, d, d2, dtype, unsqueeze_dim, table_batch, scale=1.0):
+    """q and k as a model makes them (transposed views of [b, s, h, d] memory when unsqueeze_dim
+    is 1), and cos/sin tables [table_batch, s, d2] of random angles scaled by an attention
+    factor."""
+    q = torch.randn(b, s, h, d, device=DEVICE, dtype=dtype)
+    k = torch.randn(b, s, h_k, d, device=DEVICE, dtype=dtype)
+    if unsqueeze_dim == 1:
+        q = q.transpose(1, 2)
+        k = k.transpose(1, 2)
+    angles = torch.randn(table_batch, s, d2 // 2, device=DEVICE).repeat(1, 1, 2)
+    cos = (angles.cos() * scale).to(dtype)
+    sin = (angles.sin() * scale).to(dtype)
+    return q, k, cos, sin
+
+
+def _llama_config(rope_type):
+    rope_parameters = {
+        "default": None,
+        "llama3": dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        ),
+        "yarn": dict(rope_type="yarn", factor=4.0, attention_factor=1.3),
+        "longrope": dict(
+            rope_type="longrope",
+            short_factor=[1.0, 1.5, 2.0, 2.5],
+            long_factor=[2.0, 3.0, 4.0, 5.0],
+            original_max_position_embeddings=8,
+        ),
+    }[rope_type]
+    kwargs = {}
+    if rope_parameters is not None:
+        kwargs["rope_parameters"] = dict(rope_theta=10000.0, **rope_parameters)
+    return kwargs
+
+
+# (modeling module, config class, model class, config kwargs): tiny random models
+HF_MODELS = {
+    **{
+        f"llama {rope_type}": ("llama", "LlamaConfig", "LlamaForCausalLM", _llama_config(rope_type))
+        for rope_type in ("default", "llama3", "yarn", "longrope")
+    },
+    "qwen2": ("qwen2", "Qwen2Config", "Qwen2ForCausalLM", {}),
+    "phi (partial rotary)": ("phi", "PhiConfig", "PhiForCausalLM", {}),
+    "gpt-neox (partial rotary)": (
+        "gpt_neox",
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(rope_parameters=dict(rope_theta=10000.0, partial_rotary_factor=0.5)),
+    ),
+    "qwen2-vl text (m-rope)": (
+        "qwen2_vl",
+        "Qwen2VLTextConfig",
+        "Qwen2VLTextModel",
+        dict(
+            rope_parameters=dict(rope_theta=10000.0, rope_type="default", mrope_section=[1, 1, 2])
+        ),
+    ),
+}
+
+
+def tiny_hf_model(name):
+    """HF_MODELS[name] with 2 layers, 4 heads (2 k heads) of 8 channels, float32 and in eval mode,
+    random weights (seed 0): (its modeling module, config, model, a batch of 2 x 12 tokens)."""
+    transformers = pytest.importorskip("transformers")
+    module_name, config_name, model_name, extra = HF_MODELS[name]
+    modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    config = getattr(transformers, config_name)(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).to(DEVICE).float().eval()
+    tokens = torch.randint(0, 64, (2, 12), device=DEVICE)
+    return modeling, config, model, tokens

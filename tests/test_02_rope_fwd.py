@@ -163,11 +163,12 @@ def test_torch_compile_fullgraph(fmt):
             k2,
             torch.empty_like(k2),
             freqs,
-            rope._angles_shared(freqs, True),
+            rope._angles_shared((freqs,), True),
             kwargs.get("cu_seqlens"),
             kwargs["start_positions"],
             fmt,
             True,
+            None,
         ),
     )
 
@@ -197,9 +198,9 @@ def test_rope_freqs_is_a_rotation():
 def test_rotation_tables_read_half_the_angles(fmt, interleaved, d2):
     # A model's table has equal halves (or pairs): the kernel then skips loading f_b. Same answer.
     freqs = rope.rope_freqs(B * S, d2, interleaved=interleaved, device=DEVICE)
-    assert rope._angles_shared(freqs, interleaved).item() == 1
+    assert rope._angles_shared((freqs,), interleaved).item() == 1
     assert (
-        rope._angles_shared(freqs, not interleaved).item() == 0
+        rope._angles_shared((freqs,), not interleaved).item() == 0
     )  # the other layout's pairs differ
     t = make_view(logical_shape(fmt, B, S, H, 64), torch.bfloat16, "packed")
     kwargs = dict(tensor_format=fmt, interleaved=interleaved)
@@ -484,7 +485,8 @@ def test_remembered_launch_gets_every_argument_in_order(monkeypatch):
     """On a GPU a signature's later calls skip Triton's launcher: the compiled kernel gets the
     tensors, then the scalars and constexprs remembered from the first call, all in order. Here a
     stand-in for the compiled kernel takes them by position and runs the interpreter by name: t,
-    and q and k, in every layout, each called twice."""
+    and q and k, in every layout, and Hugging Face's tables and position_ids, each called
+    twice."""
     run = rope.rope_fwd_kernel.run
     remembered_launches = []
 
@@ -518,7 +520,18 @@ def test_remembered_launch_gets_every_argument_in_order(monkeypatch):
             outs = rope.rope_fwd_qk(q, k, freqs, **kwargs)
             for x, y in zip((q, k), outs):
                 torch.testing.assert_close(y, rope.rope_reference(x, freqs, **kwargs))
-    assert len(rope._launches) == 6 and len(remembered_launches) == 6
+    # Hugging Face's tables, passed as they are, per batch row; and a cache with position_ids
+    q, k = torch.randn(2, 2, 5, 4, 32, device=DEVICE).transpose(2, 3)  # [b, h, s, d] views
+    cos, sin = torch.randn(2, 2, 5, 16, device=DEVICE)
+    cache = torch.randn(2, 9, 16, device=DEVICE)
+    ids = torch.tensor([[8, 0, 3, 3, 1]], device=DEVICE)
+    for _ in range(2):
+        got = rope.hf_rope_fwd(q, k, cos, sin)
+        torch.testing.assert_close(got, tuple(rope._hf_formula(q, k, cos, sin)))
+        got = rope.hf_rope_fwd(q, k, *cache, position_ids=ids)
+        rows = (cache[0][ids], cache[1][ids])
+        torch.testing.assert_close(got, tuple(rope._hf_formula(q, k, *rows)))
+    assert len(rope._launches) == 8 and len(remembered_launches) == 8
 
 
 def test_inference_mode():
@@ -536,7 +549,7 @@ def test_inference_mode():
         got = rope.rope_fwd(inference_t, inference_freqs, "thd", cu_seqlens=inference_cu)
         seen_here = rope.rope_fwd(t, freqs, "thd", cu_seqlens=cu_seqlens)
     assert got.is_inference() and got.equal(want) and seen_here.equal(want)
-    assert not rope._angles_shared(freqs, False).is_inference()
+    assert not rope._angles_shared((freqs,), False).is_inference()
     with torch.inference_mode():
-        flag = rope._angles_shared(inference_freqs, False)
-        assert flag.item() == 0 and rope._angles_shared(inference_freqs, False) is flag
+        flag = rope._angles_shared((inference_freqs,), False)
+        assert flag.item() == 0 and rope._angles_shared((inference_freqs,), False) is flag

@@ -4,23 +4,22 @@ same models unpatched, position_ids against gathered rows, M-RoPE, torch.compile
 Tests that need transformers skip without it (CI installs it). On the CPU the kernels run in
 Triton's interpreter, whose bf16 arithmetic is wrong: bf16 runs on a GPU only."""
 
-import importlib
-
 import pytest
 import torch
 
-from conftest import DEVICE, ON_GPU, all_pairs, load
+from conftest import (
+    DEVICE,
+    HF_DTYPES,
+    HF_MODELS,
+    ON_GPU,
+    all_pairs,
+    hf_inputs,
+    hf_reference,
+    load,
+    tiny_hf_model,
+)
 
 rope = load("03_rope_bwd.py")
-DTYPES = [torch.float32, torch.float16] + [torch.bfloat16] * ON_GPU
-
-
-def hf_reference(q, k, cos, sin, unsqueeze_dim=1):
-    """transformers' apply_rotary_pos_emb on the first d2 channels, the rest passed through."""
-    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
-    d2 = cos.shape[-1]
-    q_embed, k_embed = llama.apply_rotary_pos_emb(q[..., :d2], k[..., :d2], cos, sin, unsqueeze_dim)
-    return torch.cat((q_embed, q[..., d2:]), -1), torch.cat((k_embed, k[..., d2:]), -1)
 
 
 def check_against_transformers(q, k, cos, sin, position_ids=None):
@@ -38,24 +37,15 @@ def check_against_transformers(q, k, cos, sin, position_ids=None):
         torch.testing.assert_close(y, ref)
 
 
-def inputs(b, s, h, h_k, d, d2, dtype, unsqueeze_dim, table_batch, scale=1.0):
-    """q and k as a model makes them (transposed views of [b, s, h, d] memory when unsqueeze_dim
-    is 1), and cos/sin tables [table_batch, s, d2] of random angles scaled by an attention
-    factor."""
-    q = torch.randn(b, s, h, d, device=DEVICE, dtype=dtype)
-    k = torch.randn(b, s, h_k, d, device=DEVICE, dtype=dtype)
-    if unsqueeze_dim == 1:
-        q = q.transpose(1, 2)
-        k = k.transpose(1, 2)
-    angles = torch.randn(table_batch, s, d2 // 2, device=DEVICE).repeat(1, 1, 2)
-    cos = (angles.cos() * scale).to(dtype)
-    sin = (angles.sin() * scale).to(dtype)
+def inputs(*args, **kwargs):
+    """conftest's hf_inputs, q and k requiring grad."""
+    q, k, cos, sin = hf_inputs(*args, **kwargs)
     return q.requires_grad_(), k.requires_grad_(), cos, sin
 
 
 @pytest.mark.parametrize(
     "dtype, unsqueeze_dim, table_batch, d2, h_k, scale",
-    all_pairs(DTYPES, [1, 2], [1, 3], [16, 8], [4, 2, 1], [1.0, 1.3]),
+    all_pairs(HF_DTYPES, [1, 2], [1, 3], [16, 8], [4, 2, 1], [1.0, 1.3]),
 )
 def test_equals_transformers(dtype, unsqueeze_dim, table_batch, d2, h_k, scale):
     """Values and gradients of q and k, over layouts, GQA, partial rotary, per-row tables and an
@@ -205,75 +195,11 @@ def test_multimodal_equals_the_formula(halves):
     )
 
 
-def llama_config(rope_type):
-    rope_parameters = {
-        "default": None,
-        "llama3": dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=16,
-        ),
-        "yarn": dict(rope_type="yarn", factor=4.0, attention_factor=1.3),
-        "longrope": dict(
-            rope_type="longrope",
-            short_factor=[1.0, 1.5, 2.0, 2.5],
-            long_factor=[2.0, 3.0, 4.0, 5.0],
-            original_max_position_embeddings=8,
-        ),
-    }[rope_type]
-    kwargs = {}
-    if rope_parameters is not None:
-        kwargs["rope_parameters"] = dict(rope_theta=10000.0, **rope_parameters)
-    return kwargs
-
-
-# (modeling module, config class, model class, config kwargs): tiny random models
-MODELS = {
-    **{
-        f"llama {rope_type}": ("llama", "LlamaConfig", "LlamaForCausalLM", llama_config(rope_type))
-        for rope_type in ("default", "llama3", "yarn", "longrope")
-    },
-    "qwen2": ("qwen2", "Qwen2Config", "Qwen2ForCausalLM", {}),
-    "phi (partial rotary)": ("phi", "PhiConfig", "PhiForCausalLM", {}),
-    "gpt-neox (partial rotary)": (
-        "gpt_neox",
-        "GPTNeoXConfig",
-        "GPTNeoXForCausalLM",
-        dict(rope_parameters=dict(rope_theta=10000.0, partial_rotary_factor=0.5)),
-    ),
-    "qwen2-vl text (m-rope)": (
-        "qwen2_vl",
-        "Qwen2VLTextConfig",
-        "Qwen2VLTextModel",
-        dict(
-            rope_parameters=dict(rope_theta=10000.0, rope_type="default", mrope_section=[1, 1, 2])
-        ),
-    ),
-}
-
-
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", HF_MODELS)
 def test_patched_model_equals_unpatched(name, monkeypatch):
     """A tiny random model whose attention calls hf_apply_rotary_pos_emb gives the unpatched
     model's outputs and parameter gradients (float32)."""
-    transformers = pytest.importorskip("transformers")
-    module_name, config_name, model_name, extra = MODELS[name]
-    modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
-    config = getattr(transformers, config_name)(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        **extra,
-    )
-    torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).to(DEVICE).float().eval()
-    tokens = torch.randint(0, 64, (2, 12), device=DEVICE)
+    modeling, config, model, tokens = tiny_hf_model(name)
 
     def run():
         model.zero_grad()
