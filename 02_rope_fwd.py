@@ -501,6 +501,14 @@ def _pow2(n):  # plain Python: triton.next_power_of_2 is slow on the host in Tri
     return 1 << (n - 1).bit_length()
 
 
+def _as_angle_rows(table):
+    """Hugging Face's cos or sin [b or 1, s, d2] (with position_ids, a cache [max_positions, d2])
+    as rows by position, [s2, b or 1, 1, d2], the angle table's layout: a view."""
+    if table.dim() == 2:
+        return table[:, None, None, :]
+    return table.transpose(0, 1).unsqueeze(2)
+
+
 def rope_fwd_tensors(q, q_out, k, k_out, freqs, sin, angles_shared, cu_seqlens, start_positions):
     """rope_fwd_kernel's nine tensor arguments in its order, a stand-in for each absent (None)
     one, never read (its flag says so): q and q_out for k and k_out, freqs for the rest."""
@@ -517,21 +525,24 @@ def rope_fwd_launch_args(
     k,
     k_out,
     freqs,
+    sin,
     angles_shared,
     cu_seqlens,
     start_positions,
     tensor_format,
     interleaved,
-    sin=None,
 ):
     """rope_fwd_kernel's launch as (grid, tensors, scalars, constexprs), for
     ``rope_fwd_kernel[grid](*tensors, *scalars, **constexprs)``: RoPE(q) into q_out and RoPE(k)
-    into k_out. k, cu_seqlens and start_positions may be None; angles_shared: int32 [1], 1 if the
-    table's halves are equal. With sin (TABLES), freqs is cos: tables [s2, b or 1, 1, d2] of one
-    layout, and a 2-D start_positions is position_ids [b, s]."""
+    into k_out; the tensors in the kernel's order. k, cu_seqlens and start_positions may be None;
+    angles_shared: int32 [1], 1 if the tables' halves are equal. sin None: freqs holds angles.
+    With sin (TABLES), freqs and sin are Hugging Face's cos and sin of one layout, [b or 1, s, d2],
+    or a cache [max_positions, d2] whose rows a 2-D start_positions (position_ids [b, s]) picks."""
     tensors = rope_fwd_tensors(
         q, q_out, k, k_out, freqs, sin, angles_shared, cu_seqlens, start_positions
     )
+    if sin is not None:  # the tables' shape and strides as the angles' (sin: cos' strides)
+        freqs = _as_angle_rows(freqs)
     (batch, seqlen, n_q_heads, head_dim), q_strides = _layout(q, tensor_format)
     n_k_heads = _layout(tensors[2], tensor_format)[0][2]
     rot_dim = freqs.shape[3]
@@ -606,11 +617,11 @@ def launch_rope_fwd(
 ):
     """RoPE of q and k (k may be None) in one launch, into new contiguous tensors. q, k: [s, b, h,
     d] | [b, s, h, d] | [total_tokens, h, d] | [b, h, s, d] as tensor_format says ("bhsd": Hugging
-    Face's); freqs: float32 angles [s2, 1, 1, d2], or with sin, cos: tables [s2, b or 1, 1, d2];
-    cu_seqlens: int32 [b + 1] (thd); start_positions: int [b], or position_ids [b, s] with
-    tables; unchecked (Part 2 checks). Returns (q_out, k_out). It reads both values of every pair
-    (right for any table); Part 2 tells the kernel when the halves are equal, so that it reads
-    one."""
+    Face's); freqs: float32 angles [s2, 1, 1, d2], or with sin, cos: tables [b or 1, s, d2] or a
+    cache [max_positions, d2]; cu_seqlens: int32 [b + 1] (thd); start_positions: int [b], or
+    position_ids [b, s] with a cache; unchecked (Part 2 checks). Returns (q_out, k_out). It reads
+    both values of every pair (right for any table); Part 2 tells the kernel when the halves are
+    equal, so that it reads one."""
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     k_out = None
     if k is not None:
@@ -622,12 +633,12 @@ def launch_rope_fwd(
         k,
         k_out,
         freqs,
+        sin,
         angles_shared,
         cu_seqlens,
         start_positions,
         tensor_format,
         interleaved,
-        sin,
     )
     rope_fwd_kernel[grid](*tensors, *scalars, **constexprs)
     return q_out, k_out
@@ -822,56 +833,16 @@ def _check(tensors, names, freqs, tensor_format, cu_seqlens, start_positions):
     return seqlen
 
 
-def _as_angle_rows(table):
-    """Hugging Face's cos or sin [b or 1, s, d2] (with position_ids, a cache [max_positions, d2])
-    as rope_fwd_launch_args' tables [s2, b or 1, 1, d2]: a view, rows by position."""
-    if table.dim() == 2:
-        return table[:, None, None, :]
-    return table.transpose(0, 1).unsqueeze(2)
-
-
-def _launch_cached(
-    key,
-    q,
-    q_out,
-    k,
-    k_out,
-    freqs,
-    angles_shared,
-    cu_seqlens,
-    start_positions,
-    tensor_format,
-    interleaved,
-    sin,
-):
-    """rope_fwd_launch_args' launch (the same arguments; with sin, freqs and sin are Hugging
-    Face's cos and sin as they are), remembered by key: a key's first call goes through Triton,
-    later ones straight to the compiled kernel with the remembered scalars and constexprs (in the
-    interpreter, always through Triton)."""
+def _launch_cached(key, *args):
+    """rope_fwd_launch_args' launch (its arguments), remembered by key: a key's first call goes
+    through Triton, later ones straight to the compiled kernel with the remembered scalars and
+    constexprs (in the interpreter, always through Triton)."""
     launch = _launches.get(key)
-    if launch is not None:  # the tables as they are: the kernel takes only their addresses
+    if launch is not None:  # Hugging Face's tables as they are: the kernel takes their addresses
         compiled, scalars = launch
-        tensors = rope_fwd_tensors(
-            q, q_out, k, k_out, freqs, sin, angles_shared, cu_seqlens, start_positions
-        )
-        compiled(*tensors, *scalars)
+        compiled(*rope_fwd_tensors(*args[:9]), *scalars)
         return
-    if sin is not None:  # views made here, once per signature, not on every call
-        freqs = _as_angle_rows(freqs)
-        sin = _as_angle_rows(sin)
-    grid, tensors, scalars, constexprs = rope_fwd_launch_args(
-        q,
-        q_out,
-        k,
-        k_out,
-        freqs,
-        angles_shared,
-        cu_seqlens,
-        start_positions,
-        tensor_format,
-        interleaved,
-        sin,
-    )
+    grid, tensors, scalars, constexprs = rope_fwd_launch_args(*args)
     compiled = rope_fwd_kernel[grid](*tensors, *scalars, **constexprs)
     if isinstance(compiled, triton.compiler.CompiledKernel):
 
@@ -889,18 +860,18 @@ def _launch(
     k: Optional[torch.Tensor],
     k_out: Optional[torch.Tensor],
     freqs: torch.Tensor,
+    sin: Optional[torch.Tensor],
     angles_shared: torch.Tensor,
     cu_seqlens: Optional[torch.Tensor],
     start_positions: Optional[torch.Tensor],
     tensor_format: str,
     interleaved: bool,
-    sin: Optional[torch.Tensor],
 ) -> None:
-    """Write RoPE(q) into q_out (and RoPE(k) into k_out): the op's body. sin: freqs and sin are
-    Hugging Face's cos and sin."""
-    args = (q, q_out, k, k_out, freqs, angles_shared, cu_seqlens, start_positions)
-    key = (*_signature(*args, sin), tensor_format, interleaved)
-    _launch_cached(key, *args, tensor_format, interleaved, sin)
+    """Write RoPE(q) into q_out (and RoPE(k) into k_out): the op's body, rope_fwd_launch_args'
+    arguments."""
+    tensors = (q, q_out, k, k_out, freqs, sin, angles_shared, cu_seqlens, start_positions)
+    key = (*_signature(*tensors), tensor_format, interleaved)
+    _launch_cached(key, *tensors, tensor_format, interleaved)
 
 
 def _register():
@@ -970,8 +941,8 @@ def _rope(tensors, freqs, tensor_format, interleaved, cu_seqlens, start_position
         return outs
     k_out = outs[1] if k is not None else None
     flag = _angles_shared((freqs,), interleaved)
-    args = (t, outs[0], k, k_out, freqs, flag, cu_seqlens, start_positions)
-    _launch_op((key, interleaved), *args, tensor_format, interleaved, None)
+    args = (t, outs[0], k, k_out, freqs, None, flag, cu_seqlens, start_positions)
+    _launch_op((key, interleaved), *args, tensor_format, interleaved)
     return outs
 
 
@@ -1140,7 +1111,7 @@ def hf_rope_fwd(q, k, cos, sin, unsqueeze_dim=1, *, position_ids=None):
     k_out = torch.empty_like(k)
     if q.numel() == 0 and k.numel() == 0:
         return q_out, k_out
-    _launch_op(key, q, q_out, k, k_out, cos, flag, None, position_ids, tensor_format, False, sin)
+    _launch_op(key, q, q_out, k, k_out, cos, sin, flag, None, position_ids, tensor_format, False)
     return q_out, k_out
 
 

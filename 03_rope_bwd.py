@@ -1505,11 +1505,11 @@ def _check_hf(q, k, cos, sin, unsqueeze_dim, position_ids):
             f"unsqueeze_dim must be 1 ([b, h, s, d]) or 2 ([b, s, h, d]), got {unsqueeze_dim!r} "
             "(position_ids is keyword-only)"
         )
-    names = ("q", "k", "cos", "sin")
-    for x, name in zip((q, k, cos, sin), names):
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+    for x, name in zip((q, k, cos, sin), ("q", "k", "cos", "sin")):
+        if getattr(x, "dtype", None) not in _FLOAT_DTYPES:
             raise TypeError(
-                f"{name} must be a floating-point torch.Tensor, got {getattr(x, 'dtype', type(x))}"
+                f"{name} must be a float32, float16, bfloat16 or float64 torch.Tensor, got "
+                f"{getattr(x, 'dtype', type(x).__name__)}"
             )
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
@@ -1526,40 +1526,39 @@ def _check_hf(q, k, cos, sin, unsqueeze_dim, position_ids):
             f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
     dtype = torch.promote_types(q.dtype, torch.promote_types(cos.dtype, sin.dtype))
+    rows = s
+    if position_ids is None and (cos.dim() != 3 or cos.shape[0] not in (1, b) or cos.shape[1] != s):
+        raise ValueError(
+            f"cos and sin must have shape [{b} or 1, {s}, d2] (batch, sequence), got "
+            f"{tuple(cos.shape)}"
+        )
+    if position_ids is not None:
+        if cos.dim() != 2:
+            raise ValueError(
+                f"with position_ids, cos and sin must be a cache [max_positions, d2], got "
+                f"{tuple(cos.shape)}"
+            )
+        rows = cos.shape[0]
+        int_types = (torch.int32, torch.int64)
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in int_types:
+            raise TypeError("position_ids must be an int32 or int64 tensor")
+        if (
+            position_ids.device != q.device
+            or position_ids.dim() != 2
+            or position_ids.shape[0] not in (1, b)
+            or position_ids.shape[1] != s
+        ):
+            raise ValueError(
+                f"position_ids must have shape [{b} or 1, {s}] on {q.device}, got "
+                f"{tuple(position_ids.shape)} on {position_ids.device}"
+            )
     d2 = cos.shape[-1]
     if d2 % 2 or not 2 <= d2 <= d or d > MAX_HEAD_DIM:
         raise ValueError(
             f"cos' last dim {d2} must be even and between 2 and q's head dim {d} (at most "
             f"{MAX_HEAD_DIM})"
         )
-    if position_ids is None:
-        if cos.dim() != 3 or cos.shape[0] not in (1, b) or cos.shape[1] != s:
-            raise ValueError(
-                f"cos and sin must have shape [{b} or 1, {s}, d2] (batch, sequence), got "
-                f"{tuple(cos.shape)}"
-            )
-        return s, dtype
-    if cos.dim() != 2:
-        raise ValueError(
-            f"with position_ids, cos and sin must be a cache [max_positions, d2], got "
-            f"{tuple(cos.shape)}"
-        )
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in (
-        torch.int32,
-        torch.int64,
-    ):
-        raise TypeError("position_ids must be an int32 or int64 tensor")
-    if (
-        position_ids.device != q.device
-        or position_ids.dim() != 2
-        or position_ids.shape[0] not in (1, b)
-        or position_ids.shape[1] != s
-    ):
-        raise ValueError(
-            f"position_ids must have shape [{b} or 1, {s}] on {q.device}, got "
-            f"{tuple(position_ids.shape)} on {position_ids.device}"
-        )
-    return cos.shape[0], dtype
+    return rows, dtype
 
 
 def _read_position_ids(position_ids, rows):  # a host sync, once per tensor

@@ -210,3 +210,47 @@ def tiny_hf_model(name):
     model = getattr(transformers, model_name)(config).to(DEVICE).float().eval()
     tokens = torch.randint(0, 64, (2, 12), device=DEVICE)
     return modeling, config, model, tokens
+
+
+def hf_bad_inputs():
+    """Bad inputs of a Hugging Face entry point, each with the error's message: {case: (args,
+    kwargs, message)}."""
+
+    def t(*shape):
+        return torch.randn(*shape, device=DEVICE)
+
+    q, k = t(2, 4, 5, 16), t(2, 2, 5, 16)
+    cos = t(1, 5, 16)
+    ids = torch.zeros(2, 5, dtype=torch.long, device=DEVICE)
+    return {
+        "table of the wrong length": ((q, k, t(1, 6, 16), t(1, 6, 16)), {}, "must have shape"),
+        "table of another batch": ((q, k, t(3, 5, 16), t(3, 5, 16)), {}, "must have shape"),
+        "odd d2": ((q, k, t(1, 5, 7), t(1, 5, 7)), {}, "must be even"),
+        "d2 over the head dim": ((q, k, t(1, 5, 18), t(1, 5, 18)), {}, "must be even"),
+        "cos and sin differ": ((q, k, cos, t(1, 5, 8)), {}, "one shape"),
+        "table on another device": ((q, k, cos.to("meta"), cos), {}, "is on meta"),
+        "integer table": ((q, k, cos.long(), cos), {}, "cos must be a float32"),
+        "float8 table": ((q, k, cos, cos.to(torch.float8_e4m3fn)), {}, "sin must be a float32"),
+        "0-d tables": ((q, k, cos[0, 0, 0], cos[0, 0, 0]), {}, "must have shape"),
+        "k of another length": ((q, t(2, 2, 6, 16), cos, cos), {}, "every dim but heads"),
+        "q and k of two dtypes": ((q, k.half(), cos, cos), {}, "of one dtype"),
+        "unsqueeze_dim 3": ((q, k, cos, cos, 3), {}, "unsqueeze_dim must be 1"),
+        "unsqueeze_dim 1.0": ((q, k, cos, cos, 1.0), {}, "unsqueeze_dim must be 1"),
+        "position_ids passed as unsqueeze_dim": ((q, k, cos, cos, ids), {}, "keyword-only"),
+        "position_ids with a 3-D table": ((q, k, cos, cos), {"position_ids": ids}, "a cache"),
+        "position_ids past the cache": (
+            (q, k, cos[0], cos[0]),
+            {"position_ids": torch.full((2, 5), 5, device=DEVICE)},
+            r"in \[0, 5\)",
+        ),
+        "position_ids of another length": (
+            (q, k, cos[0], cos[0]),
+            {"position_ids": ids[:, :4]},
+            r"position_ids must have shape \[2 or 1, 5\]",
+        ),
+        "float position_ids": (
+            (q, k, cos[0], cos[0]),
+            {"position_ids": torch.zeros(2, 5, device=DEVICE)},
+            "int32 or int64",
+        ),
+    }

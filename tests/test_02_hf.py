@@ -13,6 +13,7 @@ from conftest import (
     HF_MODELS,
     ON_GPU,
     all_pairs,
+    hf_bad_inputs,
     hf_inputs,
     hf_reference,
     load,
@@ -126,18 +127,14 @@ def test_equals_03s_entry_point():
 
 
 def test_plain_launcher_reads_tables():
-    """Part 1's launch_rope_fwd with cos and sin (as [s2, b or 1, 1, d2] tables) and a 2-D
-    start_positions (position_ids) writes what hf_rope_fwd writes, bit for bit."""
+    """Part 1's launch_rope_fwd with cos and sin, per batch row, and with a cache and a 2-D
+    start_positions (position_ids), writes what hf_rope_fwd writes, bit for bit."""
     q, k, cos, sin = hf_inputs(3, 7, 4, 2, 16, 8, torch.float32, 1, 3, 1.3)
-    plain = rope.launch_rope_fwd(
-        q, k, cos.transpose(0, 1)[:, :, None], "bhsd", sin=sin.transpose(0, 1)[:, :, None]
-    )
+    plain = rope.launch_rope_fwd(q, k, cos, "bhsd", sin=sin)
     assert all(a.equal(b) for a, b in zip(plain, rope.hf_rope_fwd(q, k, cos, sin), strict=True))
     cache = torch.randn(2, 20, 8, device=DEVICE)
     ids = torch.randint(0, 20, (3, 7), device=DEVICE)
-    plain = rope.launch_rope_fwd(
-        q, k, cache[0, :, None, None], "bhsd", start_positions=ids, sin=cache[1, :, None, None]
-    )
+    plain = rope.launch_rope_fwd(q, k, cache[0], "bhsd", start_positions=ids, sin=cache[1])
     want = rope.hf_rope_fwd(q, k, *cache, position_ids=ids)
     assert all(a.equal(b) for a, b in zip(plain, want, strict=True))
 
@@ -156,7 +153,7 @@ def test_compiles():
         assert all(a.equal(b) for a, b in zip(got, want, strict=True))
     flag = rope._angles_shared((cos, sin), False)
     outs = (torch.empty_like(q), torch.empty_like(k))
-    args = (q, outs[0], k, outs[1], cos, flag, None, None, "bhsd", False, sin)
+    args = (q, outs[0], k, outs[1], cos, sin, flag, None, None, "bhsd", False)
     torch.library.opcheck(rope._rope_op, args)
 
 
@@ -242,45 +239,10 @@ def test_a_table_past_2_31_elements():
 
 
 def _bad_inputs():
-    def t(*shape):
-        return torch.randn(*shape, device=DEVICE)
-
-    q, k = t(2, 4, 5, 16), t(2, 2, 5, 16)
-    cos = t(1, 5, 16)
-    ids = torch.zeros(2, 5, dtype=torch.long, device=DEVICE)
-    return {
-        "table of the wrong length": ((q, k, t(1, 6, 16), t(1, 6, 16)), {}, "must have shape"),
-        "table of another batch": ((q, k, t(3, 5, 16), t(3, 5, 16)), {}, "must have shape"),
-        "odd d2": ((q, k, t(1, 5, 7), t(1, 5, 7)), {}, "must be even"),
-        "d2 over the head dim": ((q, k, t(1, 5, 18), t(1, 5, 18)), {}, "must be even"),
-        "cos and sin differ": ((q, k, cos, t(1, 5, 8)), {}, "one shape"),
-        "table on another device": ((q, k, cos.to("meta"), cos), {}, "is on meta"),
-        "integer table": ((q, k, cos.long(), cos), {}, "cos must be a float32"),
-        "float8 table": ((q, k, cos, cos.to(torch.float8_e4m3fn)), {}, "sin must be a float32"),
-        "0-d tables": ((q, k, cos[0, 0, 0], cos[0, 0, 0]), {}, "must have shape"),
-        "float64 q and k": ((q.double(), k.double(), cos, cos), {}, "must promote to"),
-        "k of another length": ((q, t(2, 2, 6, 16), cos, cos), {}, "every dim but heads"),
-        "q and k of two dtypes": ((q, k.half(), cos, cos), {}, "of one dtype"),
-        "unsqueeze_dim 3": ((q, k, cos, cos, 3), {}, "unsqueeze_dim must be 1"),
-        "unsqueeze_dim 1.0": ((q, k, cos, cos, 1.0), {}, "unsqueeze_dim must be 1"),
-        "position_ids passed as unsqueeze_dim": ((q, k, cos, cos, ids), {}, "keyword-only"),
-        "position_ids with a 3-D table": ((q, k, cos, cos), {"position_ids": ids}, "a cache"),
-        "position_ids past the cache": (
-            (q, k, cos[0], cos[0]),
-            {"position_ids": torch.full((2, 5), 5, device=DEVICE)},
-            r"in \[0, 5\)",
-        ),
-        "position_ids of another length": (
-            (q, k, cos[0], cos[0]),
-            {"position_ids": ids[:, :4]},
-            r"position_ids must have shape \[2 or 1, 5\]",
-        ),
-        "float position_ids": (
-            (q, k, cos[0], cos[0]),
-            {"position_ids": torch.zeros(2, 5, device=DEVICE)},
-            "int32 or int64",
-        ),
-    }
+    cases = hf_bad_inputs()
+    q, k, cos, _ = cases["cos and sin differ"][0]
+    cases["float64 q and k"] = ((q.double(), k.double(), cos, cos), {}, "must promote to")
+    return cases
 
 
 @pytest.mark.parametrize("case", _bad_inputs())

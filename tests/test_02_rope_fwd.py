@@ -163,12 +163,12 @@ def test_torch_compile_fullgraph(fmt):
             k2,
             torch.empty_like(k2),
             freqs,
+            None,
             rope._angles_shared((freqs,), True),
             kwargs.get("cu_seqlens"),
             kwargs["start_positions"],
             fmt,
             True,
-            None,
         ),
     )
 

@@ -13,6 +13,7 @@ from conftest import (
     HF_MODELS,
     ON_GPU,
     all_pairs,
+    hf_bad_inputs,
     hf_inputs,
     hf_reference,
     load,
@@ -225,48 +226,14 @@ def test_patched_model_equals_unpatched(name, monkeypatch):
 
 
 def _bad_inputs():
-    def t(*shape):
-        return torch.randn(*shape, device=DEVICE)
-
-    q, k = t(2, 4, 5, 16), t(2, 2, 5, 16)
-    cos = t(1, 5, 16)
-    return {
-        "table of the wrong length": ((q, k, t(1, 6, 16), t(1, 6, 16)), {}, "must have shape"),
-        "table of another batch": ((q, k, t(3, 5, 16), t(3, 5, 16)), {}, "must have shape"),
-        "odd d2": ((q, k, t(1, 5, 7), t(1, 5, 7)), {}, "must be even"),
-        "d2 over the head dim": ((q, k, t(1, 5, 18), t(1, 5, 18)), {}, "must be even"),
-        "cos and sin differ": ((q, k, cos, t(1, 5, 8)), {}, "one shape"),
-        "table on another device": ((q, k, cos.to("meta"), cos), {}, "is on meta"),
-        "integer table": ((q, k, cos.long(), cos), {}, "floating-point"),
-        "k of another length": ((q, t(2, 2, 6, 16), cos, cos), {}, "every dim but heads"),
-        "unsqueeze_dim 3": ((q, k, cos, cos, 3), {}, "unsqueeze_dim must be 1"),
-        "position_ids with a 3-D table": (
-            (q, k, cos, cos),
-            {"position_ids": torch.zeros(2, 5, dtype=torch.long, device=DEVICE)},
-            "a cache",
-        ),
-        "position_ids past the cache": (
-            (q, k, cos[0], cos[0]),
-            {"position_ids": torch.full((2, 5), 5, device=DEVICE)},
-            r"in \[0, 5\)",
-        ),
-        "cos requiring grad": (
-            (q, k, cos.clone().requires_grad_(), cos),
-            {},
-            "cos requires grad, but no gradient flows",
-        ),
-        "position_ids passed as unsqueeze_dim": (
-            (q, k, cos, cos, torch.zeros(2, 5, dtype=torch.long, device=DEVICE)),
-            {},
-            "keyword-only",
-        ),
-        "unsqueeze_dim 1.0": ((q, k, cos, cos, 1.0), {}, "unsqueeze_dim must be 1"),
-        "float position_ids": (
-            (q, k, cos[0], cos[0]),
-            {"position_ids": torch.zeros(2, 5, device=DEVICE)},
-            "int32 or int64",
-        ),
-    }
+    cases = hf_bad_inputs()
+    q, k, cos, _ = cases["cos and sin differ"][0]
+    cases["cos requiring grad"] = (
+        (q, k, cos.clone().requires_grad_(), cos),
+        {},
+        "cos requires grad, but no gradient flows",
+    )
+    return cases
 
 
 @pytest.mark.parametrize("case", _bad_inputs())
