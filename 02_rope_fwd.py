@@ -249,12 +249,11 @@ def _copy_pass_through(
 @triton.jit
 def _table_pairs(rows_ptr, offset_a, offset_b, mask, read_b):
     """A table's values at both channels of each pair of its rows, float32, [BLOCK_S, 1, HALF]
-    each; the second only where the flag says the halves differ (a masked-off load moves no
-    bytes)."""
+    each. Where the flag says the halves are equal, the second load takes the first's offsets
+    again: bytes the cache already holds, and no mask that varies with a loaded value."""
     f_a = tl.load(rows_ptr + offset_a, mask=mask, other=0.0).to(tl.float32)
-    f_b = tl.load(rows_ptr + offset_b, mask=mask & read_b, other=0.0).to(tl.float32)
-    f_b = tl.where(read_b, f_b, f_a)
-    return f_a[:, None, :], f_b[:, None, :]
+    f_b = tl.load(rows_ptr + tl.where(read_b, offset_b, offset_a), mask=mask, other=0.0)
+    return f_a[:, None, :], f_b.to(tl.float32)[:, None, :]
 
 
 @triton.jit
@@ -353,8 +352,8 @@ def rope_fwd_kernel(
         pos = pos + tl.load(start_positions_ptr + batch)
 
     # The angles of these tokens, turned into cos/sin once for every q and k head (TABLES: cos and
-    # sin loaded). When the table's halves are equal (the flag), the second half is not loaded
-    # (for rotate-half's table; interleaved pairs share sectors, which move anyway).
+    # sin loaded). When the table's halves are equal (the flag), the second half's bytes are not
+    # read (for rotate-half's table; interleaved pairs share sectors, which move anyway).
     i = tl.arange(0, HALF)
     if INTERLEAVED:
         f_a, f_b = 2 * i, 2 * i + 1
@@ -472,9 +471,9 @@ def rope_fwd_kernel(
 # of the head count's next power of 2), two warps (four for big tiles): many small programs keep
 # the most bytes in flight per multiprocessor (the sweep of BLOCK_S x BLOCK_H x warps:
 # results/02_rope_fwd_sweep.log). So the grid is batch x seqlen programs, or in thd one program a
-# packed token. cos and sin tables, loaded rather than computed, take the heads in two steps, with
-# two warps up to 64 rotated channels: 03's kernel, which does the same work, measured that launch
-# on the same tables (results/03_hf_rounds_H200.log).
+# packed token. cos and sin tables, loaded rather than computed, take the same four steps, with
+# two warps up to 64 rotated channels (the sweep of table loads, steps and warps on Hugging Face's
+# tables: results/02_hf_sweep_H200.log).
 #
 # Why thd walks the packed tokens. A grid of (sequence, position up to the longest sequence) is
 # the obvious one, but it is sized by the longest sequence: with one sequence of 32,768 tokens
@@ -548,10 +547,7 @@ def rope_fwd_launch_args(
     rot_dim = freqs.shape[3]
     BLOCK_S = 1
     n_seq_blocks = triton.cdiv(seqlen, BLOCK_S)
-    steps = 4  # the heads in at most four steps
-    if sin is not None:  # cos and sin loaded, not computed: fewer instructions a byte, two steps
-        steps = 2
-    BLOCK_H = max(1, _pow2(max(n_q_heads, n_k_heads)) // steps)
+    BLOCK_H = max(1, _pow2(max(n_q_heads, n_k_heads)) // 4)  # the heads in at most four steps
     HALF = _pow2(rot_dim // 2)
     if tensor_format == "thd":  # seqlen: the packed tokens, each program finds its sequence
         batch = cu_seqlens.numel() - 1
