@@ -471,9 +471,10 @@ def rope_fwd_kernel(
 # of the head count's next power of 2), two warps (four for big tiles): many small programs keep
 # the most bytes in flight per multiprocessor (the sweep of BLOCK_S x BLOCK_H x warps:
 # results/02_rope_fwd_sweep.log). So the grid is batch x seqlen programs, or in thd one program a
-# packed token. cos and sin tables, loaded rather than computed, take the same four steps, with
-# two warps up to 64 rotated channels (the sweep of table loads, steps and warps on Hugging Face's
-# tables: results/02_hf_sweep_H200.log).
+# packed token. cos and sin tables, loaded rather than computed, take the heads in two steps when
+# the rotated channels fill the HALF lanes (d2/2 a power of 2) and in four when some lanes are
+# masked off (d = 80), with two warps up to 64 rotated channels (the sweep of table loads, steps
+# and warps on Hugging Face's tables: results/02_hf_sweep_H200.log).
 #
 # Why thd walks the packed tokens. A grid of (sequence, position up to the longest sequence) is
 # the obvious one, but it is sized by the longest sequence: with one sequence of 32,768 tokens
@@ -547,8 +548,11 @@ def rope_fwd_launch_args(
     rot_dim = freqs.shape[3]
     BLOCK_S = 1
     n_seq_blocks = triton.cdiv(seqlen, BLOCK_S)
-    BLOCK_H = max(1, _pow2(max(n_q_heads, n_k_heads)) // 4)  # the heads in at most four steps
     HALF = _pow2(rot_dim // 2)
+    steps = 4  # the heads in at most four steps
+    if sin is not None and 2 * HALF == rot_dim:  # tables filling their lanes: two (the sweep)
+        steps = 2
+    BLOCK_H = max(1, _pow2(max(n_q_heads, n_k_heads)) // steps)
     if tensor_format == "thd":  # seqlen: the packed tokens, each program finds its sequence
         batch = cu_seqlens.numel() - 1
         grid = (n_seq_blocks,)
