@@ -632,7 +632,7 @@ def launch_forward(
 # buffer as large as q, and FlashAttention 3 by the copy engine's reduce-add: 5 matmuls, but sums
 # whose order changes from run to run, a float32 tile added to memory per pair of tiles, and two
 # passes more (delta, and dq cast from float32). Here atomics measured slower, and the reduce-add,
-# under every tile config tried, gained too little on the kernel to pay for those passes
+# under every tile config tried, gained little or lost once those passes are counted
 # (results/04_hopper.md).
 # Both kernels subtract delta = rowsum(dO * O) from dP: the dq kernel runs first and computes it
 # next to the dO tile it loads anyway, for the dkdv kernel to read (a launch and a read of dO fewer
