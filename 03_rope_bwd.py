@@ -540,7 +540,8 @@ def rope_kernel(
 # tokens); q's heads in about four unrolled steps of BLOCK_H, k's and v's in as many of BLOCK_HK.
 # Many small programs of few warps keep the most bytes in flight per multiprocessor (the sweeps:
 # results/02_rope_fwd_sweep.log, results/03_rope_bwd_sweep.log); with TABLES, two steps
-# (results/03_hf_rounds_H200.log). The kernel takes every tensor argument whether it is used or
+# (results/03_hf_rounds_H200.log; at d = 80 too, where 02's kernel gains from four:
+# results/03_hf_steps_H200.log). The kernel takes every tensor argument whether it is used or
 # not: its flags (HAS_K, HAS_V, K_FREQS, IS_THD, HAS_START_POSITIONS) say which are real, and a
 # tensor that is passed but never read stands in for each absent one.
 
