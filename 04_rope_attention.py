@@ -629,10 +629,10 @@ def launch_forward(
 # accumulates d(Rq) += dS Rk: 7 matmuls per pair of tiles instead of 5 (it recomputes S and dP),
 # but every sum in a fixed order (the same bits on every run) and dq written once, rotated back,
 # in its own dtype. FlashAttention 2 sums dq in the first kernel instead, by atomics into a float32
-# buffer as large as q, and FlashAttention 3 by the copy engine's reduce-add: 5 matmuls, but sums
+# buffer as large as q, and FlashAttention 3 by the TMA unit's reduce-add: 5 matmuls, but sums
 # whose order changes from run to run, a float32 tile added to memory per pair of tiles, and two
-# passes more (delta, and dq cast from float32). Here atomics measured slower, and the reduce-add,
-# under every tile config tried, gained little or lost once those passes are counted
+# passes more (delta, and dq cast from float32). Here, those passes counted, neither measured
+# faster than the fixed order: pointer atomics, nor the reduce-add under every tile config tried
 # (results/04_hopper.md).
 # Both kernels subtract delta = rowsum(dO * O) from dP: the dq kernel runs first and computes it
 # next to the dO tile it loads anyway, for the dkdv kernel to read (a launch and a read of dO fewer
