@@ -197,6 +197,45 @@ def _load_pairs(
 
 
 @triton.jit
+def _load_qk(
+    q_tile,
+    k_rows,
+    hk,
+    stride_qd,
+    stride_kh,
+    stride_kd,
+    q_mask,
+    k_mask,
+    rot_dim,
+    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    IS_FP64: tl.constexpr,
+    HAS_K: tl.constexpr,
+):
+    """One step's (q_a, q_b, k_a, k_b), k's heads hk; without k, q's pair stands in for k's."""
+    q_a, q_b = _load_pairs(
+        q_tile, stride_qd, q_mask, rot_dim, BLOCK_S, BLOCK_H, HALF, INTERLEAVED, IS_FP64
+    )
+    k_a, k_b = q_a, q_b
+    if HAS_K:
+        k_a, k_b = _load_pairs(
+            k_rows + hk * stride_kh,
+            stride_kd,
+            k_mask,
+            rot_dim,
+            BLOCK_S,
+            BLOCK_HK,
+            HALF,
+            INTERLEAVED,
+            IS_FP64,
+        )
+    return q_a, q_b, k_a, k_b
+
+
+@triton.jit
 def _store_rotated(
     y_tile,
     stride_d,
@@ -381,6 +420,7 @@ def rope_kernel(
     IS_FP64: tl.constexpr,
     TABLES: tl.constexpr,
     POSITION_IDS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # A 1-D grid in memory order: in sbhd the batch index moves fastest, in bshd the position; in
     # thd the program walks the packed tokens (seqlen is then the number of tokens).
@@ -457,7 +497,11 @@ def rope_kernel(
     v_out_rows = v_out_ptr + v_out_col * stride_vod + batch * stride_vob + tokens * stride_vos
     # The heads in N_HEAD_BLOCKS unrolled steps, each with a share of q's (BLOCK_H) and of k's and
     # v's (BLOCK_HK, fewer with GQA: equal shares keep as many bytes in flight at every step); all
-    # loads of a step before its first store.
+    # loads of a step before its first store. PREFETCH: the next step's q and k are loaded before
+    # this step's stores too. The compiler never moves a load above a store that may alias it, so
+    # this is the code's to do; it pays where masked lanes leave a step few bytes (d2 = 80).
+    tl.static_assert(Q_GROUP_IN == 1 or not PREFETCH)  # the next q tile: BLOCK_H heads on
+    next_tiles = None  # PREFETCH: (q_a, q_b, k_a, k_b) of the next step
     for hb in tl.static_range(N_HEAD_BLOCKS):
         h = (hb * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[None, :, None]
         hk = (hb * BLOCK_HK + tl.arange(0, BLOCK_HK)).to(tl.int64)[None, :, None]
@@ -467,20 +511,45 @@ def rope_kernel(
         q_out_tile = (
             q_out_rows + (h // Q_GROUP_OUT) * stride_qoh + (h % Q_GROUP_OUT) * head_dim * stride_qod
         )
-        q_a, q_b = _load_pairs(
-            q_tile, stride_qd, q_mask, rot_dim, BLOCK_S, BLOCK_H, HALF, INTERLEAVED, IS_FP64
-        )
-        if HAS_K:
-            k_a, k_b = _load_pairs(
-                k_rows + hk * stride_kh,
+        if PREFETCH and hb > 0:  # loaded by the step before, ahead of its stores
+            q_a, q_b, k_a, k_b = next_tiles
+        else:
+            q_a, q_b, k_a, k_b = _load_qk(
+                q_tile,
+                k_rows,
+                hk,
+                stride_qd,
+                stride_kh,
                 stride_kd,
+                q_mask,
                 k_mask,
                 rot_dim,
                 BLOCK_S,
+                BLOCK_H,
                 BLOCK_HK,
                 HALF,
                 INTERLEAVED,
                 IS_FP64,
+                HAS_K,
+            )
+        if PREFETCH and hb + 1 < N_HEAD_BLOCKS:  # the next step's tiles too (Q_GROUP_IN is 1)
+            next_tiles = _load_qk(
+                q_tile + BLOCK_H * stride_qh,
+                k_rows,
+                hk + BLOCK_HK,
+                stride_qd,
+                stride_kh,
+                stride_kd,
+                row_mask[:, None, None] & (h + BLOCK_H < n_q_heads),
+                row_mask[:, None, None] & (hk + BLOCK_HK < n_k_heads),
+                rot_dim,
+                BLOCK_S,
+                BLOCK_H,
+                BLOCK_HK,
+                HALF,
+                INTERLEAVED,
+                IS_FP64,
+                HAS_K,
             )
         if (
             HAS_V
@@ -540,8 +609,9 @@ def rope_kernel(
 # tokens); q's heads in about four unrolled steps of BLOCK_H, k's and v's in as many of BLOCK_HK.
 # Many small programs of few warps keep the most bytes in flight per multiprocessor (the sweeps:
 # results/02_rope_fwd_sweep.log, results/03_rope_bwd_sweep.log); with TABLES, two steps
-# (results/03_hf_rounds_H200.log; at d = 80 too, where 02's kernel gains from four:
-# results/03_hf_steps_H200.log). The kernel takes every tensor argument whether it is used or
+# (results/03_hf_rounds_H200.log), or where masked lanes leave a step few bytes (d2 = 80) four,
+# each prefetching the next (results/03_hf_prefetch_H200.log). The kernel takes every tensor
+# argument whether it is used or
 # not: its flags (HAS_K, HAS_V, K_FREQS, IS_THD, HAS_START_POSITIONS) say which are real, and a
 # tensor that is passed but never read stands in for each absent one.
 
@@ -673,7 +743,8 @@ def rope_launch_args(
         grid = (batch * n_seq_blocks,)
     HALF = _pow2(rot_dim // 2)
     steps = 4  # the heads in about four steps
-    if tables:  # cos and sin loaded, not computed: fewer instructions a byte, and two steps pay
+    prefetch = tables and 2 * HALF != rot_dim  # tables with masked lanes: four, each prefetching
+    if tables and not prefetch:  # cos and sin loaded, not computed: two steps pay
         steps = 2
     BLOCK_H = max(1, _pow2(n_q_heads) // steps)
     BLOCK_HK = max(1, _pow2(n_k_heads) // steps)
@@ -745,6 +816,7 @@ def rope_launch_args(
         IS_FP64=q.dtype == torch.float64,
         TABLES=tables,
         POSITION_IDS=start_positions is not None and start_positions.dim() == 2,
+        PREFETCH=prefetch,
         num_warps=num_warps,  # a launch option, not a kernel argument
     )
     return grid, tensors, scalars, constexprs

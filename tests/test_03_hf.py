@@ -46,13 +46,13 @@ def inputs(*args, **kwargs):
 
 @pytest.mark.parametrize(
     "dtype, unsqueeze_dim, table_batch, d2, h_k, scale",
-    all_pairs(HF_DTYPES, [1, 2], [1, 3], [16, 8], [4, 2, 1], [1.0, 1.3]),
+    all_pairs(HF_DTYPES, [1, 2], [1, 3], [16, 12, 8], [4, 2, 1], [1.0, 1.3]),
 )
 def test_equals_transformers(dtype, unsqueeze_dim, table_batch, d2, h_k, scale):
-    """Values and gradients of q and k, over layouts, GQA, partial rotary, per-row tables and an
-    attention factor in the tables: as transformers' formula computed in float32 and rounded once
-    (the kernel's way), and within about one rounding of transformers' own, which multiplies in
-    q's dtype."""
+    """Values and gradients of q and k, over layouts, GQA, partial rotary (d2 = 12: masked lanes,
+    four head steps, each loading the next), per-row tables and an attention factor in the
+    tables: as transformers' formula computed in float32 and rounded once (the kernel's way), and
+    within about one rounding of transformers' own, which multiplies in q's dtype."""
     q, k, cos, sin = inputs(3, 7, 4, h_k, 16, d2, dtype, unsqueeze_dim, table_batch, scale)
     got = rope.hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
     grads = [torch.randn_like(x) for x in got]
