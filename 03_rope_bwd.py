@@ -611,9 +611,9 @@ def rope_kernel(
 # results/02_rope_fwd_sweep.log, results/03_rope_bwd_sweep.log); with TABLES, two steps
 # (results/03_hf_rounds_H200.log), or where masked lanes leave a step few bytes (d2 = 80) four,
 # each prefetching the next (results/03_hf_prefetch_H200.log). The kernel takes every tensor
-# argument whether it is used or
-# not: its flags (HAS_K, HAS_V, K_FREQS, IS_THD, HAS_START_POSITIONS) say which are real, and a
-# tensor that is passed but never read stands in for each absent one.
+# argument whether it is used or not: its flags (HAS_K, HAS_V, K_FREQS, IS_THD,
+# HAS_START_POSITIONS) say which are real, and a tensor that is passed but never read stands in
+# for each absent one.
 
 
 def _layout(t, tensor_format):
