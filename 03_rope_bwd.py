@@ -608,9 +608,9 @@ def rope_kernel(
 # One program a token (BLOCK_S = 1) with all its heads, the grid in memory order (thd: the packed
 # tokens); q's heads in about four unrolled steps of BLOCK_H, k's and v's in as many of BLOCK_HK.
 # Many small programs of few warps keep the most bytes in flight per multiprocessor (the sweeps:
-# results/02_rope_fwd_sweep.log, results/03_rope_bwd_sweep.log); with TABLES, two steps
-# (results/03_hf_rounds_H200.log), or where masked lanes leave a step few bytes (d2 = 80) four,
-# each prefetching the next (results/03_hf_prefetch_H200.log). The kernel takes every tensor
+# results/02_rope_fwd_sweep.log, results/03_rope_bwd_sweep.log); with TABLES, each step loads
+# the next step's q and k before its own stores, in two steps, or four where masked lanes leave a
+# step few bytes (d2 = 80) (results/03_hf_launch_sweep_H200.log). The kernel takes every tensor
 # argument whether it is used or not: its flags (HAS_K, HAS_V, K_FREQS, IS_THD,
 # HAS_START_POSITIONS) say which are real, and a tensor that is passed but never read stands in
 # for each absent one.
@@ -743,8 +743,8 @@ def rope_launch_args(
         grid = (batch * n_seq_blocks,)
     HALF = _pow2(rot_dim // 2)
     steps = 4  # the heads in about four steps
-    prefetch = tables and 2 * HALF != rot_dim  # tables with masked lanes: four, each prefetching
-    if tables and not prefetch:  # cos and sin loaded, not computed: two steps pay
+    prefetch = tables  # cos and sin loaded, not computed: each step loads the next step's q, k
+    if tables and 2 * HALF == rot_dim:  # and without masked lanes, two steps pay
         steps = 2
     BLOCK_H = max(1, _pow2(n_q_heads) // steps)
     BLOCK_HK = max(1, _pow2(n_k_heads) // steps)
