@@ -56,6 +56,9 @@ import triton
 import triton.language as tl
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Tokens a program: one on a GPU (the launch below says why). Triton's interpreter runs the
+# programs one after another at a high cost each, so on a CPU a program takes 16.
+TOKENS_A_PROGRAM = 1 if DEVICE.type == "cuda" else 16
 TENSOR_FORMATS = ("sbhd", "bshd", "thd")
 MAX_HEAD_DIM = 256
 
@@ -167,15 +170,15 @@ def rope_reference(
 #
 # The kernel
 # ----------
-# The kernel is written for a block of BLOCK_S tokens a program; the launch below gives each
-# program one token (BLOCK_S = 1) and all heads of q and k, BLOCK_H at a time in at most four
-# unrolled steps (any head count). cos and sin, which depend on the position only, are taken
-# once for every head: computed from the angles, or (TABLES) loaded from cos and sin tables, with
-# a row per batch row and position, or the row that position_ids names. Each tile is read and
-# written once, in contiguous loads (_load_pairs); pass-through channels (d2 < d) are copied.
-# Offsets come from the strides, in int64 (views, tensors past 2**31 elements). In thd a
-# program's tokens are rows of the packed tensor (batch stride 0), each finding its sequence, and
-# so its position, in cu_seqlens: one kernel for three layouts (and Hugging Face's [b, h, s, d]).
+# The kernel is written for a block of BLOCK_S tokens a program; the launch below gives each program
+# one token (BLOCK_S = 1; on a CPU, 16: TOKENS_A_PROGRAM) and all heads of q and k, BLOCK_H at a
+# time in at most four unrolled steps (any head count). cos and sin, which depend on the position
+# only, are taken once for every head: computed from the angles, or (TABLES) loaded from cos and sin
+# tables, with a row per batch row and position, or the row that position_ids names. Each tile is
+# read and written once, in contiguous loads (_load_pairs); pass-through channels (d2 < d) are
+# copied. Offsets come from the strides, in int64 (views, tensors past 2**31 elements). In thd a
+# program's tokens are rows of the packed tensor (batch stride 0), each finding its sequence, and so
+# its position, in cu_seqlens: one kernel for three layouts (and Hugging Face's [b, h, s, d]).
 
 
 @triton.jit
@@ -467,14 +470,14 @@ def rope_fwd_kernel(
 # %%
 # The launch
 # ----------
-# One token a program (BLOCK_S = 1), its heads in at most four unrolled steps of BLOCK_H (a quarter
-# of the head count's next power of 2), two warps (four for big tiles): many small programs keep
-# the most bytes in flight per multiprocessor (the sweep of BLOCK_S x BLOCK_H x warps:
+# One token a program on a GPU (BLOCK_S = 1), its heads in at most four unrolled steps of BLOCK_H (a
+# quarter of the head count's next power of 2), two warps (four for big tiles): many small programs
+# keep the most bytes in flight per multiprocessor (the sweep of BLOCK_S x BLOCK_H x warps:
 # results/02_rope_fwd_sweep.log). So the grid is batch x seqlen programs, or in thd one program a
 # packed token. cos and sin tables, loaded rather than computed, take the heads in two steps when
 # the rotated channels fill the HALF lanes (d2/2 a power of 2) and in four when some lanes are
-# masked off (d = 80), with two warps up to 64 rotated channels (the sweep of table loads, steps
-# and warps on Hugging Face's tables: results/02_hf_sweep_H200.log).
+# masked off (d = 80), with two warps up to 64 rotated channels (the sweep of table loads, steps and
+# warps on Hugging Face's tables: results/02_hf_sweep_H200.log).
 #
 # Why thd walks the packed tokens. A grid of (sequence, position up to the longest sequence) is
 # the obvious one, but it is sized by the longest sequence: with one sequence of 32,768 tokens
@@ -546,7 +549,7 @@ def rope_fwd_launch_args(
     (batch, seqlen, n_q_heads, head_dim), q_strides = _layout(q, tensor_format)
     n_k_heads = _layout(tensors[2], tensor_format)[0][2]
     rot_dim = freqs.shape[3]
-    BLOCK_S = 1
+    BLOCK_S = TOKENS_A_PROGRAM
     n_seq_blocks = triton.cdiv(seqlen, BLOCK_S)
     HALF = _pow2(rot_dim // 2)
     steps = 4  # the heads in at most four steps

@@ -57,6 +57,9 @@ import triton
 import triton.language as tl
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Tokens a program: one on a GPU (the launch below says why). Triton's interpreter runs the
+# programs one after another at a high cost each, so on a CPU a program takes 16.
+TOKENS_A_PROGRAM = 1 if DEVICE.type == "cuda" else 16
 TENSOR_FORMATS = ("sbhd", "bshd", "thd")
 MAX_HEAD_DIM = 256
 
@@ -605,15 +608,15 @@ def rope_kernel(
 # %%
 # The launch
 # ----------
-# One program a token (BLOCK_S = 1) with all its heads, the grid in memory order (thd: the packed
-# tokens); q's heads in about four unrolled steps of BLOCK_H, k's and v's in as many of BLOCK_HK.
-# Many small programs of few warps keep the most bytes in flight per multiprocessor (the sweeps:
-# results/02_rope_fwd_sweep.log, results/03_rope_bwd_sweep.log); with TABLES, each step loads
-# the next step's q and k before its own stores, in two steps, or four where masked lanes leave a
-# step few bytes (d2 = 80) (results/03_hf_launch_sweep_H200.log). The kernel takes every tensor
-# argument whether it is used or not: its flags (HAS_K, HAS_V, K_FREQS, IS_THD,
-# HAS_START_POSITIONS) say which are real, and a tensor that is passed but never read stands in
-# for each absent one.
+# One program a token on a GPU (BLOCK_S = 1) with all its heads, the grid in memory order (thd: the
+# packed tokens); q's heads in about four unrolled steps of BLOCK_H, k's and v's in as many of
+# BLOCK_HK. Many small programs of few warps keep the most bytes in flight per multiprocessor (the
+# sweeps: results/02_rope_fwd_sweep.log, results/03_rope_bwd_sweep.log); with TABLES, each step
+# loads the next step's q and k before its own stores, in two steps, or four where masked lanes
+# leave a step few bytes (d2 = 80) (results/03_hf_launch_sweep_H200.log). The kernel takes every
+# tensor argument whether it is used or not: its flags (HAS_K, HAS_V, K_FREQS, IS_THD,
+# HAS_START_POSITIONS) say which are real, and a tensor that is passed but never read stands in for
+# each absent one.
 
 
 def _layout(t, tensor_format):
@@ -734,7 +737,7 @@ def rope_launch_args(
     batch, seqlen, n_q_heads, head_dim = _layout(q_heads, tensor_format)[0]
     n_k_heads = _layout(tensors[2], tensor_format)[0][2]  # k's, or its stand-in's
     rot_dim = freqs.shape[3]
-    BLOCK_S = 1
+    BLOCK_S = TOKENS_A_PROGRAM
     n_seq_blocks = triton.cdiv(seqlen, BLOCK_S)
     if tensor_format == "thd":  # seqlen: the packed tokens, each program finds its sequence
         batch = cu_seqlens.shape[0] - 1

@@ -103,7 +103,7 @@ def random_cu_seqlens(b, total, with_empty=False):
     return torch.cat([torch.tensor([0]), cuts, torch.tensor([total])]).to(torch.int32).to(DEVICE)
 
 
-LONGER = 1000 if ON_GPU else 100  # the interpreter runs each token's program in turn, slowly
+LONGER = 1000 if ON_GPU else 100  # the interpreter runs each program in turn, slowly
 THD_PACKINGS = {  # thd sequence lengths: the edges of cu_seqlens (02's and 03's tests)
     "empty first, last and in a row": [0, 3, 0, 0, 5, 0],
     "one token each": [1] * 9,

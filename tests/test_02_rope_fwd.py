@@ -19,7 +19,7 @@ from conftest import (
 rope = load("02_rope_fwd.py")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 B, S, H = (3, 300, 7) if ON_GPU else (2, 13, 3)
-S_FEW = S if ON_GPU else 5  # the tests that launch many times: fewer programs to interpret
+S_FEW = S if ON_GPU else 5  # the tests that launch many times: fewer tokens to interpret
 
 
 @pytest.mark.parametrize(
@@ -479,6 +479,33 @@ def test_plain_launcher_equals_the_public_call(fmt):
         plain = rope.launch_rope_fwd(q, k, freqs, **kwargs)
         for got, want in zip(plain, rope.rope_fwd_qk(q, k, freqs, **kwargs)):
             assert got.equal(want)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
+def test_tokens_a_program_change_no_bit(fmt, monkeypatch):
+    """Tokens a program are a launch choice only: one (a GPU's) and 16 (the interpreter's) write
+    the same bits, with blocks that end inside a sequence and past its end, with angles and with
+    Hugging Face's cache and position_ids."""
+    q = make_view(logical_shape(fmt, 1, 18, 2, 16), torch.float32, "packed")
+    k = make_view(logical_shape(fmt, 1, 18, 1, 16), torch.float32, "contiguous")
+    freqs = torch.randn(24, 1, 1, 12, device=DEVICE)
+    kwargs = dict(tensor_format=fmt, start_positions=torch.tensor([3], device=DEVICE))
+    if fmt == "thd":
+        kwargs["cu_seqlens"] = torch.tensor([0, 5, 18], dtype=torch.int32, device=DEVICE)
+        kwargs["start_positions"] = torch.tensor([3, 1], device=DEVICE)
+    cache = torch.randn(2, 24, 12, device=DEVICE)
+    position_ids = torch.randint(0, 24, (1, 18), device=DEVICE)
+
+    def outputs(tokens):
+        monkeypatch.setattr(rope, "TOKENS_A_PROGRAM", tokens)
+        monkeypatch.setattr(rope, "_launches", {})  # no launch remembered from the other count
+        outs = rope.rope_fwd_qk(q, k, freqs, **kwargs)
+        if fmt == "bshd":  # Hugging Face's: q and k as [b, h, s, d] views
+            views = (q.transpose(1, 2), k.transpose(1, 2))
+            outs += rope.hf_rope_fwd(*views, *cache, position_ids=position_ids)
+        return outs
+
+    assert all(a.equal(b) for a, b in zip(outputs(1), outputs(16), strict=True))
 
 
 def test_remembered_launch_gets_every_argument_in_order(monkeypatch):

@@ -523,11 +523,46 @@ def test_fused_qkv_matches_the_split_reference_in_one_launch_each_way(
     assert len(launches) == 2
 
 
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd", "thd"])
+def test_tokens_a_program_change_no_bit(fmt, monkeypatch):
+    """Tokens a program are a launch choice only: one (a GPU's) and 16 (the interpreter's) give
+    the same bits forward and backward, with blocks that end inside a sequence and past its end;
+    in bshd also fused QKV, and Hugging Face's cache with position_ids."""
+    q = make_view(logical_shape(fmt, 1, 18, 2, 16), torch.float32, "packed").requires_grad_()
+    k = make_view(logical_shape(fmt, 1, 18, 1, 16), torch.float32, "contiguous").requires_grad_()
+    freqs = torch.randn(24, 1, 1, 12, device=DEVICE)
+    kwargs = dict(tensor_format=fmt, start_positions=torch.tensor([3], device=DEVICE))
+    if fmt == "thd":
+        kwargs["cu_seqlens"] = torch.tensor([0, 5, 18], dtype=torch.int32, device=DEVICE)
+        kwargs["start_positions"] = torch.tensor([3, 1], device=DEVICE)
+    qkv = torch.randn(1, 18, 2, 4 * 16, device=DEVICE, requires_grad=True)
+    cache = torch.randn(2, 24, 12, device=DEVICE)
+    position_ids = torch.randint(0, 24, (1, 18), device=DEVICE)
+
+    def outputs_and_gradients(tokens):
+        monkeypatch.setattr(rope, "TOKENS_A_PROGRAM", tokens)
+        monkeypatch.setattr(rope, "_launches", {})  # no launch remembered from the other count
+        calls = [(rope.apply_rotary_pos_emb_qk(q, k, freqs, **kwargs), (q, k))]
+        if fmt == "bshd":
+            fused = rope.apply_fused_qkv_rotary_pos_emb(qkv, freqs, freqs, [32, 16, 16], **kwargs)
+            views = (q.transpose(1, 2), k.transpose(1, 2))  # Hugging Face's [b, h, s, d]
+            hf = rope.hf_apply_rotary_pos_emb(*views, *cache, position_ids=position_ids)
+            calls += [(fused, (qkv,)), (hf, (q, k))]
+        results = []
+        for outs, inputs in calls:
+            grads = [torch.ones_like(y).cumsum(-1) for y in outs]  # the same every call
+            results += [*outs, *torch.autograd.grad(outs, inputs, grads)]
+        return results
+
+    got = outputs_and_gradients(1)
+    assert all(a.equal(b) for a, b in zip(got, outputs_and_gradients(16), strict=True))
+
+
 def test_fused_qkv_gradcheck_and_compile():
     """float64 gradients (and double backward) by gradcheck; compiled without graph breaks, equal
     to eager."""
     torch._dynamo.reset()
-    # bshd: 1 sequence of 3 tokens (a program each in the interpreter), 2 groups of 2 q heads
+    # bshd: 1 sequence of 3 tokens, 2 groups of 2 q heads
     qkv = torch.randn(1, 3, 2, 4 * 8, device=DEVICE, dtype=torch.float64, requires_grad=True)
     q_freqs = torch.randn(6, 1, 1, 4, device=DEVICE)
     k_freqs = torch.randn(6, 1, 1, 4, device=DEVICE)
