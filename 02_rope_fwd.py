@@ -1051,12 +1051,11 @@ def _check_hf(q, k, cos, sin, unsqueeze_dim, position_ids):
                 f"position_ids must have shape [{b} or 1, {s}] on {q.device}, got "
                 f"{tuple(position_ids.shape)} on {position_ids.device}"
             )
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"q's head dim {d} is over the supported {MAX_HEAD_DIM}")
     d2 = cos.shape[-1]
-    if d2 % 2 or not 2 <= d2 <= d or d > MAX_HEAD_DIM:
-        raise ValueError(
-            f"cos' last dim {d2} must be even and between 2 and q's head dim {d} (at most "
-            f"{MAX_HEAD_DIM})"
-        )
+    if d2 % 2 or not 2 <= d2 <= d:
+        raise ValueError(f"cos' last dim {d2} must be even and between 2 and q's head dim {d}")
     return rows, dtype
 
 

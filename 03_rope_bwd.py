@@ -1628,12 +1628,11 @@ def _check_hf(q, k, cos, sin, unsqueeze_dim, position_ids):
                 f"position_ids must have shape [{b} or 1, {s}] on {q.device}, got "
                 f"{tuple(position_ids.shape)} on {position_ids.device}"
             )
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"q's head dim {d} is over the supported {MAX_HEAD_DIM}")
     d2 = cos.shape[-1]
-    if d2 % 2 or not 2 <= d2 <= d or d > MAX_HEAD_DIM:
-        raise ValueError(
-            f"cos' last dim {d2} must be even and between 2 and q's head dim {d} (at most "
-            f"{MAX_HEAD_DIM})"
-        )
+    if d2 % 2 or not 2 <= d2 <= d:
+        raise ValueError(f"cos' last dim {d2} must be even and between 2 and q's head dim {d}")
     return rows, dtype
 
 
@@ -1719,6 +1718,13 @@ def hf_apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_
         raise ValueError(
             f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and unsqueeze_dim in (1, 2):  # else: below
+        b, s = q.shape[0], q.shape[3 - unsqueeze_dim]
+        if cos.shape[1] not in (1, b) or cos.shape[2] != s:
+            raise ValueError(
+                f"cos and sin must have shape [3, {b} or 1, {s}, d] (streams, batch, sequence), "
+                f"got {tuple(cos.shape)}"
+            )
     section_ok = isinstance(mrope_section, (list, tuple)) and len(mrope_section) == 3
     if not section_ok or not all(type(n) is int and n >= 0 for n in mrope_section):
         raise ValueError(f"mrope_section must be 3 non-negative ints, got {mrope_section!r}")

@@ -227,6 +227,11 @@ def hf_bad_inputs():
         "table of another batch": ((q, k, t(3, 5, 16), t(3, 5, 16)), {}, "must have shape"),
         "odd d2": ((q, k, t(1, 5, 7), t(1, 5, 7)), {}, "must be even"),
         "d2 over the head dim": ((q, k, t(1, 5, 18), t(1, 5, 18)), {}, "must be even"),
+        "head dim over 256": (
+            (t(1, 1, 5, 264), t(1, 1, 5, 264), t(1, 5, 264), t(1, 5, 264)),
+            {},
+            "q's head dim 264 is over the supported 256",
+        ),
         "cos and sin differ": ((q, k, cos, t(1, 5, 8)), {}, "one shape"),
         "table on another device": ((q, k, cos.to("meta"), cos), {}, "is on meta"),
         "integer table": ((q, k, cos.long(), cos), {}, "cos must be a float32"),

@@ -4,6 +4,8 @@ same models unpatched, position_ids against gathered rows, M-RoPE, torch.compile
 Tests that need transformers skip without it (CI installs it). On the CPU the kernels run in
 Triton's interpreter, whose bf16 arithmetic is wrong: bf16 runs on a GPU only."""
 
+import re
+
 import pytest
 import torch
 
@@ -260,6 +262,16 @@ def test_multimodal_bad_arguments(sin_shape, section, message):
     sin = torch.randn(sin_shape, device=DEVICE)
     with pytest.raises(ValueError, match=message):
         rope.hf_apply_multimodal_rotary_pos_emb(q, k, cos, sin, section)
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 4, 16), (3, 3, 5, 16)])
+def test_multimodal_tables_of_another_length_or_batch(shape):
+    """The error names the [3, b, s, d] tables the caller passed, not the recomposed ones."""
+    q, k = torch.randn(2, 2, 4, 5, 16, device=DEVICE)
+    cos = torch.randn(shape, device=DEVICE)
+    message = f"must have shape [3, 2 or 1, 5, d] (streams, batch, sequence), got {shape}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        rope.hf_apply_multimodal_rotary_pos_emb(q, k, cos, cos, [2, 3, 3])
 
 
 def test_a_wider_table_promotes_as_transformers_does():
