@@ -621,6 +621,18 @@ def train(args, ddp, rank, world, device):
     master = rank == 0
     cuda = device.type == "cuda"
     torch.manual_seed(args.seed + rank)
+    # the held-out batches first: too little text is told before compiling or graph capture
+    held_out = batches(args.data, args.seq_len, args.batch_size, 0, 1, held_out=True)
+    eval_batches = list(itertools.islice(held_out, args.eval_batches))  # read once, kept
+    if not eval_batches:  # sequence i is held out when i % 50 == 0
+        needed = 50 * args.batch_size * (args.seq_len - 2)
+        data = f"--data {args.data}"
+        if not args.data:
+            data = "the standard library's source (the default --data)"
+        sys.exit(
+            f"{data} has too little text for one held-out batch of --batch-size "
+            f"{args.batch_size} x --seq-len {args.seq_len}: about {needed:,} bytes are needed"
+        )
     if args.init_from:
         model = load_hf_checkpoint(args.init_from, args.attn, cfg)  # Part 2
     else:
@@ -660,17 +672,6 @@ def train(args, ddp, rank, world, device):
         if os.path.exists(ckpt_path + ".tmp"):
             os.remove(ckpt_path + ".tmp")
     train_batches = batches(args.data, args.seq_len, args.batch_size, rank, world, start=seen[rank])
-    held_out = batches(args.data, args.seq_len, args.batch_size, 0, 1, held_out=True)
-    eval_batches = list(itertools.islice(held_out, args.eval_batches))  # read once, kept
-    if not eval_batches:  # sequence i is held out when i % 50 == 0
-        needed = 50 * args.batch_size * (args.seq_len - 2)
-        data = f"--data {args.data}"
-        if not args.data:
-            data = "the standard library's source (the default --data)"
-        sys.exit(
-            f"{data} has too little text for one held-out batch of --batch-size "
-            f"{args.batch_size} x --seq-len {args.seq_len}: about {needed:,} bytes are needed"
-        )
     if master:
         counts = torch.bincount(
             torch.cat([ids.flatten() for ids, _ in eval_batches]), minlength=VOCAB
