@@ -316,7 +316,8 @@ def test_forward_backward_memory_grows_linearly_in_s():
     128 each, the float32 cos/sin table 512, lse and delta 4 each), bounded at 1.5 KB a token: at
     s = 16384 an s x s buffer of more than 1/128 byte an entry breaks the bound. Each size has the
     bound, not the ratio of the two: some runs peak 384 bytes a token lower at s = 8192 (three of
-    the 128-byte buffers not counted), which would read as growth faster than linear."""
+    the 128-byte buffers not counted), which reads as growth faster than linear
+    (results/04_memory_peaks_H200.log)."""
     for s in (8192, 16384):
         _, q, k, v = make(1, s, 1, 1, 64, torch.bfloat16)
         freqs = attn.rope_freqs(s, 64, device=DEVICE)
